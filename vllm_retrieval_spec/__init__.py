@@ -1,0 +1,1 @@
+"""Retrieval-based speculative decoding (REST, PLD+, DReSD) as a vLLM plugin."""
