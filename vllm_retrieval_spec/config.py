@@ -1,0 +1,145 @@
+"""Typed, validated options for each drafting method.
+
+Users pass one flat dict, as for vLLM's own methods::
+
+    speculative_config={"method": "rest", "num_speculative_tokens": 8, "datastore": "ds/stdlib"}
+
+``parse_speculative_config`` turns it into a frozen dataclass once, at start-up, in the process
+that builds the engine config; every bad value fails there with a message that names the option
+and what is allowed. The worker re-creates the same dataclass from ``additional_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+#: Key under which our options travel in ``VllmConfig.additional_config``.
+PLUGIN_KEY = "vllm_retrieval_spec"
+
+MAX_SPECULATIVE_TOKENS = 64
+
+
+class ConfigError(ValueError):
+    """A speculative_config option is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Options every retrieval method shares."""
+
+    method: ClassVar[str]
+    proposer_class: ClassVar[str]
+
+    num_speculative_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_range(self, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class RestConfig(MethodConfig):
+    """REST: exact suffix match in a token datastore (paper: arXiv 2311.08252)."""
+
+    method: ClassVar[str] = "rest"
+    proposer_class: ClassVar[str] = "vllm_retrieval_spec.proposers.rest.RestProposer"
+
+    #: Directory written by ``vllm-rsd build-datastore``.
+    datastore: str = ""
+    #: Context suffixes from ``max_match_len`` down to ``min_match_len`` tokens are tried.
+    min_match_len: int = 2
+    max_match_len: int = 16
+    #: At most this many occurrences' continuations are counted in the trie.
+    max_occurrences: int = 64
+    #: Draft a token only while the estimated probability that the prefix is right stays
+    #: at or above this (see ``drafting.tree.best_chain``). With the prior below, one lone
+    #: occurrence still drafts (1/3) and a 2:1 split stops. Chosen by replaying HumanEval
+    #: outputs against the stdlib datastore: each drafted token costs about 3.5% of a forward
+    #: on our CPUs, so long weak drafts lose time (benchmarks/replay.py).
+    min_prefix_prob: float = 0.3
+    #: Pseudo-count of "no candidate is right" in that estimate.
+    prior_weight: float = 2.0
+    #: Re-hash every datastore file at start-up (seconds for 50 M tokens).
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.datastore:
+            raise ConfigError(
+                "speculative_config['datastore'] is required for method 'rest': the directory "
+                "written by `vllm-rsd build-datastore`"
+            )
+        _check_range(self, "min_match_len", 1, 64)
+        _check_range(self, "max_match_len", self.min_match_len, 64)
+        _check_range(self, "max_occurrences", 1, 4096)
+        _check_range(self, "min_prefix_prob", 0.0, 1.0)
+        _check_range(self, "prior_weight", 0.0, 1e6)
+
+
+METHODS: dict[str, type[MethodConfig]] = {cls.method: cls for cls in (RestConfig,)}
+
+
+def parse_speculative_config(options: dict[str, Any]) -> MethodConfig:
+    """Validate a user's speculative_config dict for one of our methods."""
+    options = {str(k).replace("-", "_"): v for k, v in options.items()}
+    method = options.pop("method", None)
+    if method not in METHODS:
+        raise ConfigError(
+            f"speculative_config['method']={method!r} is not a retrieval method; "
+            f"choose one of {sorted(METHODS)}"
+        )
+    cls = METHODS[method]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {unknown} for method {method!r}; allowed: {sorted(fields)}"
+        )
+    if "num_speculative_tokens" not in options:
+        raise ConfigError(
+            f"speculative_config['num_speculative_tokens'] is required for method {method!r} "
+            f"(an integer in [1, {MAX_SPECULATIVE_TOKENS}])"
+        )
+    hints = typing.get_type_hints(cls)
+    values = {name: _coerce(name, value, hints[name]) for name, value in options.items()}
+    return cls(**values)
+
+
+def config_from_dict(data: dict[str, Any]) -> MethodConfig:
+    """Inverse of ``MethodConfig.to_dict`` (the worker side of ``additional_config``)."""
+    return parse_speculative_config(dict(data))
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Accept JSON-typed values (the server passes JSON); reject everything else clearly."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if bool in allowed and isinstance(value, bool):
+        return value
+    if int in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if float in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"speculative_config[{name!r}]={value!r} must be finite")
+        return float(value)
+    if str in allowed and isinstance(value, str):
+        return value
+    names = " or ".join(t.__name__ for t in allowed)
+    raise ConfigError(
+        f"speculative_config[{name!r}]={value!r} has type {type(value).__name__}; expected {names}"
+    )
+
+
+def _check_range(config: MethodConfig, name: str, low: float, high: float) -> None:
+    value = getattr(config, name)
+    if not low <= value <= high:
+        raise ConfigError(
+            f"speculative_config[{name!r}]={value!r} is out of range for method "
+            f"{config.method!r}: must be in [{low}, {high}]"
+        )

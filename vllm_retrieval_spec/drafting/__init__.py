@@ -1,0 +1,1 @@
+"""Turning retrieved continuations into drafts."""
