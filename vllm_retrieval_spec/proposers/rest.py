@@ -1,0 +1,45 @@
+"""REST (arXiv 2311.08252): drafts from the longest context suffix found in a token datastore."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vllm_retrieval_spec.config import RestConfig
+from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+from vllm_retrieval_spec.drafting.tree import best_chain
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+
+def rest_draft(
+    datastore: SuffixArrayDatastore, context: np.ndarray, max_len: int, config: RestConfig
+) -> np.ndarray:
+    """Continuations of the longest matching suffix, voted in a trie; the best chain."""
+    candidates, lengths, _ = datastore.lookup(
+        context,
+        min_len=config.min_match_len,
+        max_len=config.max_match_len,
+        max_occurrences=config.max_occurrences,
+        continuation_len=max_len,
+    )
+    # Every occurrence of the same suffix is equally good evidence: one vote each.
+    weights = np.ones(len(candidates), dtype=np.float64)
+    return best_chain(candidates, lengths, weights, max_len, config.min_prefix_prob,
+                      config.prior_weight)
+
+
+class RestProposer(RetrievalProposer):
+    config: RestConfig
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+        # The front-end already checked checksums and the tokenizer; here only sizes.
+        self.datastore = SuffixArrayDatastore.from_path(self.config.datastore,
+                                                        verify_checksums=False)
+        # Compile the numba functions now rather than inside the first decoding step.
+        self.draft(np.zeros(self.config.max_match_len, dtype=np.int32), self.k)
+
+    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
+        return rest_draft(self.datastore, context[-self.config.max_match_len:], max_len,
+                          self.config)
