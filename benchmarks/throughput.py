@@ -1,0 +1,224 @@
+"""Throughput benchmark: plain decoding, vLLM's ``ngram`` and our methods, side by side.
+
+Every method runs in this one process on the same prompts (one at a time, greedy), each with its
+own engine built and torn down in turn, so the ratios in one results file are fair. Results
+follow ``shared/notes/bench-results-schema.md``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One row of the comparison: a method name and its vLLM speculative_config (None = plain)."""
+
+    method: str
+    speculative_config: dict[str, Any] | None = None
+    datastore: str | None = None
+
+
+@dataclass
+class BenchSettings:
+    task: str = "code-gen"
+    prompts: int = 20
+    prompt_offset: int = 0
+    max_tokens: int = 128
+    num_speculative_tokens: int = 8
+    max_model_len: int = 2048
+    # float32: in bfloat16 (vLLM's default on CPU) verifying k+1 tokens at once rounds
+    # differently from decoding one, and even vLLM's own ngram stops matching plain decoding.
+    dtype: str = "float32"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def default_methods(names: list[str], k: int, datastore: str | None,
+                    rest_options: dict[str, Any] | None = None) -> list[MethodRun]:
+    """The method rows for ``names`` (plain always first: the others are compared with it)."""
+    runs = [MethodRun("plain")]
+    for name in names:
+        if name == "plain":
+            continue
+        if name == "ngram":
+            # n from 4 down to 2, as measured in shared/notes; vLLM's default (5..5) drafts less.
+            runs.append(MethodRun("ngram", {"method": "ngram", "num_speculative_tokens": k,
+                                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
+        elif name == "rest":
+            if not datastore:
+                raise ValueError("method 'rest' needs --datastore")
+            runs.append(MethodRun("rest", {"method": "rest", "num_speculative_tokens": k,
+                                           "datastore": datastore, **(rest_options or {})},
+                                  datastore=Path(datastore).name))
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from plain, ngram, rest")
+    return runs
+
+
+def run_benchmark(model: str, runs: list[MethodRun], settings: BenchSettings,
+                  run_name: str, command: str) -> dict[str, Any]:
+    """Run every method on the task's prompts; return the results document."""
+    from transformers import AutoTokenizer
+
+    from vllm_retrieval_spec.benchmarks.tasks import task_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = task_prompts(settings.task, tokenizer, settings.prompts, settings.prompt_offset)
+    rows: list[dict[str, Any]] = []
+    plain_outputs: list[list[int]] | None = None
+    plain_tps = None
+    for run in runs:
+        row, outputs = _run_method(model, run, prompts, settings)
+        if run.method == "plain":
+            plain_outputs, plain_tps = outputs, row["tokens_per_s"]
+            row["outputs_equal_plain"] = True
+        else:
+            row["outputs_equal_plain"] = outputs == plain_outputs
+        row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3) if plain_tps else None
+        rows.append(row)
+        print(format_table(rows), file=sys.stderr)
+    import vllm
+
+    return {
+        "run": run_name,
+        "date": datetime.date.today().isoformat(),
+        "machine": _machine(),
+        "model": MODEL_NAME if Path(model).name == MODEL_NAME else model,
+        "vllm": vllm.__version__,
+        "command": command,
+        "rows": rows,
+        "plain_outputs": [{"prompt": p, "output": o} for p, o in zip(prompts, plain_outputs or [])],
+    }
+
+
+def _run_method(model: str, run: MethodRun, prompts: list[list[int]],
+                settings: BenchSettings) -> tuple[dict[str, Any], list[list[int]]]:
+    from vllm import LLM, SamplingParams
+
+    print(f"[bench] {run.method}: starting engine", file=sys.stderr)
+    llm = LLM(model=model, speculative_config=run.speculative_config, enforce_eager=True,
+              max_model_len=settings.max_model_len, dtype=settings.dtype,
+              disable_log_stats=False, seed=0,
+              **settings.engine_kwargs)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens, ignore_eos=False)
+        # Warm up (numba, allocator, first-step paths) outside the timed region.
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8),
+                     use_tqdm=False)
+        before = _spec_counters(llm)
+        speculative = run.speculative_config is not None
+        if speculative:
+            llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
+        outputs: list[list[int]] = []
+        elapsed = 0.0
+        for i, prompt in enumerate(prompts):
+            start = time.perf_counter()
+            result = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+            elapsed += time.perf_counter() - start
+            outputs.append(list(result[0].outputs[0].token_ids))
+            print(f"[bench] {run.method}: prompt {i + 1}/{len(prompts)}, "
+                  f"{sum(map(len, outputs))} tokens in {elapsed:.1f} s", file=sys.stderr)
+        after = _spec_counters(llm)
+        drafting = (llm.collective_rpc("rsd_drafting_stats")[0] if speculative
+                    else {"p50_ms": None, "p99_ms": None})
+    finally:
+        _shutdown(llm)
+    output_tokens = sum(map(len, outputs))
+    accepted = after["accepted"] - before["accepted"]
+    drafts = after["drafts"] - before["drafts"]
+    config = dict(run.speculative_config or {})
+    config.pop("method", None)
+    config["dtype"] = settings.dtype
+    row = {
+        "task": settings.task,
+        "method": run.method,
+        "config": config,
+        "datastore": run.datastore,
+        "prompts": len(prompts),
+        "max_tokens": settings.max_tokens,
+        "temperature": 0.0,
+        "concurrency": 1,
+        "output_tokens": output_tokens,
+        "tokens_per_s": round(output_tokens / elapsed, 3),
+        # Each target forward yields one token plus the accepted draft tokens.
+        "tokens_per_forward": round(output_tokens / (output_tokens - accepted), 3),
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "draft_ms_p50": _round(drafting["p50_ms"]),
+        "draft_ms_p99": _round(drafting["p99_ms"]),
+        "elapsed_s": round(elapsed, 2),
+    }
+    return row, outputs
+
+
+def _spec_counters(llm: Any) -> dict[str, float]:
+    values = {"accepted": 0.0, "drafts": 0.0}
+    names = {"vllm:spec_decode_num_accepted_tokens": "accepted",
+             "vllm:spec_decode_num_drafts": "drafts"}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            values[names[metric.name]] += metric.value
+    return values
+
+
+def _shutdown(llm: Any) -> None:
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None:
+        engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import os
+
+    return f"cpu-{os.cpu_count()}core"
+
+
+COLUMNS = ("task", "method", "datastore", "tokens_per_s", "speedup", "tokens_per_forward",
+           "mean_acceptance_length", "draft_ms_p50", "draft_ms_p99", "outputs_equal_plain")
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the rows' headline columns."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join("" if row.get(c) is None else str(row.get(c))
+                                       for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path, Path]:
+    """``<run>.json``, ``<run>.md`` and the plain outputs for replay, ``<run>.plain.jsonl``."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path = output_dir / f"{results['run']}.json"
+    md_path = output_dir / f"{results['run']}.md"
+    results = dict(results)
+    plain_outputs = results.pop("plain_outputs")
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    with open(output_dir / f"{results['run']}.plain.jsonl", "w") as f:
+        for record in plain_outputs:
+            f.write(json.dumps(record) + "\n")
+    md_path.write_text(
+        f"# {results['run']}\n\n{results['date']}, {results['machine']}, {results['model']}, "
+        f"vLLM {results['vllm']}, {platform.python_version()}\n\n`{results['command']}`\n\n"
+        f"{format_table(results['rows'])}\n")
+    return json_path, md_path

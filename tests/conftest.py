@@ -1,0 +1,99 @@
+"""Shared fixtures. End-to-end tests share one engine per configuration for the whole session."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+# The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+E2E_PROMPTS = 8
+E2E_MAX_TOKENS = 32
+K = 8
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    from vllm_retrieval_spec.assets import model_path
+
+    return str(model_path())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def code_datastore(model_dir, tokenizer, tmp_path_factory) -> str:
+    """A small REST datastore: a few standard-library packages (about a million tokens)."""
+    import sysconfig
+    from pathlib import Path
+
+    from vllm_retrieval_spec.datastore.build import build_datastore
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = [str(stdlib / name) for name in ("json", "email", "unittest", "logging",
+                                               "argparse.py", "collections", "functools.py")]
+    output = tmp_path_factory.mktemp("datastores") / "stdlib-small"
+    build_datastore(sources, output, tokenizer, tokenizer_name="SmolLM2-135M-Instruct",
+                    progress=False)
+    return str(output)
+
+
+@pytest.fixture(scope="session")
+def code_prompts(tokenizer) -> list[list[int]]:
+    from vllm_retrieval_spec.benchmarks.tasks import task_prompts
+
+    return task_prompts("code-gen", tokenizer, E2E_PROMPTS)
+
+
+def make_llm(model_dir: str, speculative_config: dict | None):
+    from vllm import LLM
+
+    # float32: bfloat16 breaks exact greedy equality even for vLLM's own ngram (see README).
+    return LLM(model=model_dir, speculative_config=speculative_config, enforce_eager=True,
+               dtype="float32", max_model_len=2048, disable_log_stats=False, seed=0,
+               max_num_seqs=8)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy(max_tokens: int = E2E_MAX_TOKENS):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def generate_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(model_dir, code_prompts) -> list[list[int]]:
+    """Plain greedy decoding, one request at a time; the engine is gone before others start."""
+    llm = make_llm(model_dir, None)
+    try:
+        return [generate_ids(llm, [p], greedy())[0] for p in code_prompts]
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="session")
+def rest_llm(model_dir, code_datastore, plain_outputs):
+    # Depends on plain_outputs so that the plain engine has shut down first.
+    llm = make_llm(model_dir, {"method": "rest", "num_speculative_tokens": K,
+                               "datastore": code_datastore})
+    yield llm
+    shutdown(llm)

