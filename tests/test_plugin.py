@@ -1,0 +1,44 @@
+"""The plugin refuses a vLLM whose wrapped internals changed, and patches exactly once."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.e2e  # imports vLLM (about 12 s), starts no engine
+
+vllm = pytest.importorskip("vllm")
+
+from vllm_retrieval_spec import plugin  # noqa: E402
+
+
+def test_accepts_the_installed_vllm():
+    plugin.check_vllm_compatibility()
+
+
+def test_rejects_another_vllm_version(monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(plugin.IncompatibleVllmError,
+                       match=r"found vLLM 0.33.0. vllm-retrieval-spec supports vLLM 0.32.\*"):
+        plugin.check_vllm_compatibility()
+
+
+def test_rejects_a_changed_signature(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def changed(self, scheduler_output, sampled_token_ids):
+        pass
+
+    monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", changed)
+    with pytest.raises(plugin.IncompatibleVllmError,
+                       match=r"GPUModelRunner.propose_draft_token_ids has parameters "
+                             r"\('self', 'scheduler_output', 'sampled_token_ids'\)"):
+        plugin.check_vllm_compatibility()
+
+
+def test_register_is_idempotent():
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    wrapped = EngineArgs.create_speculative_config
+    plugin.register()
+    assert EngineArgs.create_speculative_config is wrapped

@@ -1,0 +1,98 @@
+"""The proposer side of vLLM's custom_class contract, with a stand-in for vLLM's config."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_retrieval_spec.config import PLUGIN_KEY, parse_speculative_config
+from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+from vllm_retrieval_spec.proposers.rest import RestProposer
+
+VOCAB = 100
+
+
+def vllm_config(options: dict, max_model_len: int = 64):
+    config = parse_speculative_config(options)
+    return SimpleNamespace(
+        additional_config={PLUGIN_KEY: config.to_dict()},
+        speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
+        model_config=SimpleNamespace(max_model_len=max_model_len,
+                                     get_vocab_size=lambda: VOCAB),
+    )
+
+
+@pytest.fixture
+def datastore(tmp_path) -> str:
+    # "1 2 3" is followed by "4 5 6 7" twice and by "9" once.
+    documents = [[1, 2, 3, 4, 5, 6, 7], [8, 1, 2, 3, 4, 5, 6, 7, 0], [1, 2, 3, 9]]
+    path = tmp_path / "ds"
+    build_datastore_from_token_ids(documents, path, tokenizer_name="test",
+                                   tokenizer_fingerprint="f" * 64, vocab_size=VOCAB,
+                                   progress=False)
+    return str(path)
+
+
+def rest(datastore, max_model_len=64, **options):
+    return RestProposer(vllm_config({"method": "rest", "num_speculative_tokens": 4,
+                                     "datastore": datastore, "min_prefix_prob": 0.0,
+                                     "prior_weight": 0.0, **options}, max_model_len))
+
+
+def batch(*contexts, width=64):
+    tokens = np.zeros((len(contexts), width), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        tokens[i, : len(c)] = c
+    return tokens, np.array([len(c) for c in contexts], dtype=np.int32)
+
+
+def test_rest_drafts_the_majority_continuation_capped_at_k(datastore):
+    proposer = rest(datastore)
+    tokens, lengths = batch([5, 5, 1, 2, 3], [7, 8, 1], [42, 43])
+    drafts = proposer.propose([[3], [1], [43]], lengths, tokens)
+    # Longest suffix "1 2 3": 4 5 6 7 (x2) beats 9; k=4. "8 1": 2 3 4 5. "42 43": no match.
+    assert drafts == [[4, 5, 6, 7], [2, 3, 4, 5], []]
+
+
+def test_rest_stops_where_the_evidence_splits(datastore):
+    proposer = rest(datastore, min_prefix_prob=0.7)
+    tokens, lengths = batch([1, 2, 3])
+    # 2 of 3 continuations agree on "4": 0.67 < 0.7, so nothing is drafted.
+    assert proposer.propose([[3]], lengths, tokens) == [[]]
+
+
+def test_no_draft_for_partial_prefill_or_at_max_model_len(datastore):
+    proposer = rest(datastore, max_model_len=8)
+    tokens, lengths = batch([1, 2, 3], [9, 9, 9, 9, 9, 1, 2], [9, 9, 9, 9, 1, 2, 3], width=8)
+    drafts = proposer.propose([[], [2], [3]], lengths, tokens)
+    # Row 1 has room for 8 - 7 - 1 = 0 draft tokens; row 2 likewise; row 0 is prefilling.
+    assert drafts == [[], [], []]
+    tokens, lengths = batch([9, 9, 9, 1, 2, 3], width=8)
+    assert proposer.propose([[3]], lengths, tokens) == [[4]]
+
+
+class ScriptedProposer(RetrievalProposer):
+    def __init__(self, config, outcomes):
+        super().__init__(config)
+        self.outcomes = list(outcomes)
+
+    def draft(self, context, max_len):
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return np.asarray(outcome, dtype=np.int32)
+
+
+def test_a_failing_draft_costs_one_request_one_step(datastore, caplog):
+    config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore})
+    proposer = ScriptedProposer(config, [RuntimeError("boom"), [1, 2, 3, 4], [5, VOCAB],
+                                         [-1], [7, 8], RuntimeError("again")])
+    tokens, lengths = batch(*[[1, 2]] * 6)
+    drafts = proposer.propose([[2]] * 6, lengths, tokens)
+    assert drafts == [[], [], [], [], [7, 8], []]
+    assert proposer.num_failed_drafts == 5
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "raised" in errors[0].getMessage()
