@@ -396,3 +396,41 @@ def test_overwrite(store, tokenizer, tmp_path):
     with pytest.raises(DatastoreError, match=r"is not a datastore .*refusing to replace"):
         build([other], precious, tokenizer, overwrite=True)
     assert (precious / "thesis.tex").exists()
+
+
+def test_loading_does_not_read_the_store_into_memory(tmp_path):
+    """Loading, checksums included, leaves RSS flat: arrays are mapped, hashes streamed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    rng = np.random.default_rng(0)
+    paths = {}
+    for name, num_documents in (("small", 1), ("big", 8)):
+        paths[name] = tmp_path / name
+        documents = [rng.integers(0, 49_152, 1_000_000).astype(np.int32)
+                     for _ in range(num_documents)]
+        build_datastore_from_token_ids(documents, paths[name], tokenizer_name="random",
+                                       tokenizer_fingerprint="0" * 64, vocab_size=49_152,
+                                       progress=False)
+    store_bytes = sum(f.stat().st_size for f in paths["big"].iterdir())
+    # The small store is loaded first so that imports and first-use allocations are not counted.
+    script = textwrap.dedent(f"""
+        from vllm_retrieval_spec.datastore import load_datastore
+
+        def rss():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+
+        load_datastore({str(paths["small"])!r}, verify_checksums=True)
+        before = rss()
+        store = load_datastore({str(paths["big"])!r}, verify_checksums=True)
+        print(rss() - before, len(store.tokens))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.split()
+    growth, num_tokens = int(out[0]), int(out[1])
+    assert num_tokens == 8 * 1_000_001
+    assert store_bytes > 60 << 20
+    assert growth < 2 << 20, f"RSS grew by {growth} bytes loading a {store_bytes}-byte store"

@@ -204,3 +204,27 @@ def test_gather_continuations_stride_is_even_and_deterministic():
     # Occurrences sorted by continuation: the last one (followed by -1) first, then by how much
     # of "1 2 1 2 ..." remains; every 10th of them is taken.
     np.testing.assert_array_equal(first[1], [0, 3, 3, 3, 3, 3, 3, 3, 3, 3])
+
+
+def test_real_tokens_against_the_oracles(tokenizer):
+    """SmolLM2 tokens of standard-library code: index and search agree with brute force."""
+    import json
+    from pathlib import Path
+
+    def encode(path: Path) -> list[int]:
+        return tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+
+    package = Path(json.__file__).parent
+    tokens = np.array(encode(package / "decoder.py") + [SEPARATOR] + encode(package / "encoder.py"),
+                      dtype=np.int32)
+    sa = build_suffix_array(tokens)
+    np.testing.assert_array_equal(sa, suffix_array_reference(tokens))
+    held_out = encode(package / "scanner.py")
+    matched = 0
+    for end in range(16, len(held_out), 7):
+        context = np.array(held_out[end - 16:end], dtype=np.int32)
+        lo, hi, n = longest_suffix_match(tokens, sa, context, 2, 16)
+        expected_n, expected_positions = brute_force_match(tokens, context, 2, 16)
+        assert (n, set(sa[lo:hi].tolist())) == (expected_n, expected_positions)
+        matched += n > 0
+    assert matched > 10  # real code shares phrasing, so the comparison covers real matches
