@@ -6,7 +6,7 @@ reach gives the engine's tokens per forward without running the model. Use it to
 rules; confirm winners with ``vllm-rsd bench``.
 
     python -m vllm_retrieval_spec.benchmarks.replay benchmarks/results/RUN.plain.jsonl \
-        --datastore ds/stdlib --rest-options '[{}, {"min_prefix_prob": 0.1}]'
+        --configs '[{"method": "pld"}, {"method": "rest", "datastore": "ds/stdlib"}]'
 """
 
 from __future__ import annotations
@@ -22,8 +22,19 @@ import numpy as np
 DraftFn = Callable[[np.ndarray, int], np.ndarray]
 
 
-def replay(records: list[dict[str, list[int]]], draft: DraftFn, k: int) -> dict[str, float]:
-    """Walk every recorded output as the engine would with ``draft``; summarise."""
+#: Verifying one more draft token costs this fraction of a plain decoding step (SmolLM2, fp32,
+#: vLLM-CPU, 2 cores: REST's steps took 67.5 ms with 2.18 draft tokens against 60.2 ms plain in
+#: benchmarks/results/codegen-humaneval-stdlib.json).
+DRAFT_TOKEN_COST = 0.055
+
+
+def replay(records: list[dict[str, list[int]]], draft: DraftFn, k: int,
+           draft_token_cost: float = DRAFT_TOKEN_COST) -> dict[str, float]:
+    """Walk every recorded output as the engine would with ``draft``; summarise.
+
+    ``modeled_speedup`` = tokens per forward / (1 + ``draft_token_cost`` x mean draft length):
+    a forward verifying more tokens takes longer, so long weak drafts lose time.
+    """
     output_tokens = forwards = drafted = 0
     draft_ns: list[int] = []
     for record in records:
@@ -44,9 +55,12 @@ def replay(records: list[dict[str, list[int]]], draft: DraftFn, k: int) -> dict[
             position += accepted + 1
         output_tokens += len(output)
     steps = max(forwards - len(records), 1)
+    tokens_per_forward = output_tokens / forwards
+    mean_draft_len = drafted / steps
     return {
-        "tokens_per_forward": round(output_tokens / forwards, 3),
-        "mean_draft_len": round(drafted / steps, 2),
+        "modeled_speedup": round(tokens_per_forward / (1 + draft_token_cost * mean_draft_len), 3),
+        "tokens_per_forward": round(tokens_per_forward, 3),
+        "mean_draft_len": round(mean_draft_len, 2),
         "draft_us_p50": round(float(np.percentile(draft_ns, 50)) / 1e3, 1) if draft_ns else 0.0,
         "draft_us_p99": round(float(np.percentile(draft_ns, 99)) / 1e3, 1) if draft_ns else 0.0,
     }
@@ -57,26 +71,38 @@ def load_records(path: str) -> list[dict[str, list[int]]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def draft_function(config: Any) -> DraftFn:
+    """The same pure drafting function the method's proposer calls in vLLM."""
+    from vllm_retrieval_spec.config import HybridConfig, PldConfig, RestConfig
+    from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+    from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
+    from vllm_retrieval_spec.proposers.pld import pld_draft
+    from vllm_retrieval_spec.proposers.rest import rest_draft
+
+    if isinstance(config, RestConfig):  # hybrid too: it extends REST
+        datastore = SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
+        draft = hybrid_draft if isinstance(config, HybridConfig) else rest_draft
+        return lambda context, n: draft(datastore, context, n, config)
+    if isinstance(config, PldConfig):
+        return lambda context, n: pld_draft(context, n, config)
+    raise ValueError(f"no replay for method {config.method!r}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from vllm_retrieval_spec.config import parse_speculative_config
-    from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
-    from vllm_retrieval_spec.proposers.rest import rest_draft
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("outputs", help="<run>.plain.jsonl written by vllm-rsd bench")
-    parser.add_argument("--datastore", required=True)
-    parser.add_argument("-k", type=int, default=8)
-    parser.add_argument("--rest-options", default="[{}]",
-                        help="JSON list of REST option dicts to compare")
+    parser.add_argument("--configs", required=True,
+                        help="JSON list of speculative_config dicts to compare")
+    parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens if not given")
     args = parser.parse_args(argv)
     records = load_records(args.outputs)
-    datastore = SuffixArrayDatastore.from_path(args.datastore, verify_checksums=False)
-    for options in json.loads(args.rest_options):
-        config: Any = parse_speculative_config({"method": "rest", "num_speculative_tokens": args.k,
-                                                "datastore": args.datastore, **options})
-        result = replay(records, lambda c, n: rest_draft(datastore, c, n, config), args.k)
-        print(json.dumps({"options": options, **result}))
+    for options in json.loads(args.configs):
+        config = parse_speculative_config({"num_speculative_tokens": args.k, **options})
+        result = replay(records, draft_function(config), config.num_speculative_tokens)
+        print(json.dumps({"config": options, **result}))
 
 
 if __name__ == "__main__":

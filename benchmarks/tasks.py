@@ -12,7 +12,7 @@ from vllm_retrieval_spec.assets import humaneval_prompts
 TASKS = ("code-gen",)
 
 
-def code_gen_messages(n: int, offset: int = 0) -> list[list[dict[str, str]]]:
+def code_gen_messages(n: int | None, offset: int = 0) -> list[list[dict[str, str]]]:
     """HumanEval problems as chat requests to complete the function."""
     return [
         [{"role": "user", "content": "Complete the following Python function.\n\n"
@@ -21,12 +21,16 @@ def code_gen_messages(n: int, offset: int = 0) -> list[list[dict[str, str]]]:
     ]
 
 
-def task_prompts(task: str, tokenizer: Any, n: int, offset: int = 0) -> list[list[int]]:
-    """Prompt token ids for ``task``."""
+def task_conversations(task: str, n: int | None, offset: int = 0) -> list[list[dict[str, str]]]:
+    """The chat requests of ``task`` (``n=None``: all from ``offset`` on)."""
     if task == "code-gen":
-        conversations = code_gen_messages(n, offset)
-    else:
-        raise ValueError(f"unknown task {task!r}; choose one of {list(TASKS)}")
+        return code_gen_messages(n, offset)
+    raise ValueError(f"unknown task {task!r}; choose one of {list(TASKS)}")
+
+
+def task_prompts(task: str, tokenizer: Any, n: int | None, offset: int = 0) -> list[list[int]]:
+    """Prompt token ids for ``task``."""
+    conversations = task_conversations(task, n, offset)
     return [
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                       return_dict=False)

@@ -7,6 +7,7 @@ follow ``shared/notes/bench-results-schema.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import json
@@ -43,25 +44,38 @@ class BenchSettings:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def default_methods(names: list[str], k: int, datastore: str | None,
-                    rest_options: dict[str, Any] | None = None) -> list[MethodRun]:
-    """The method rows for ``names`` (plain always first: the others are compared with it)."""
+def method_runs(specs: list[str], k: int, datastores: dict[str, str],
+                method_options: dict[str, dict[str, Any]] | None = None) -> list[MethodRun]:
+    """Rows for ``specs`` such as ``ngram``, ``pld`` or ``rest:stdlib`` (a method on the named
+    datastore; the name may be left out when there is one datastore). Plain always comes first:
+    the others are compared with it."""
     runs = [MethodRun("plain")]
-    for name in names:
+    for spec in specs:
+        name, _, store = spec.partition(":")
+        options = dict((method_options or {}).get(name, {}))
         if name == "plain":
             continue
         if name == "ngram":
             # n from 4 down to 2, as measured in shared/notes; vLLM's default (5..5) drafts less.
             runs.append(MethodRun("ngram", {"method": "ngram", "num_speculative_tokens": k,
                                             "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
-        elif name == "rest":
-            if not datastore:
-                raise ValueError("method 'rest' needs --datastore")
-            runs.append(MethodRun("rest", {"method": "rest", "num_speculative_tokens": k,
-                                           "datastore": datastore, **(rest_options or {})},
-                                  datastore=Path(datastore).name))
-        else:
-            raise ValueError(f"unknown method {name!r}; choose from plain, ngram, rest")
+            continue
+        from vllm_retrieval_spec.config import METHODS
+
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; choose from plain, ngram, "
+                             + ", ".join(sorted(METHODS)))
+        config = {"method": name, "num_speculative_tokens": k, **options}
+        label = None
+        if "datastore" in {f.name for f in dataclasses.fields(METHODS[name])}:
+            if not store and len(datastores) == 1:
+                store = next(iter(datastores))
+            if store not in datastores:
+                raise ValueError(f"{spec!r} needs a datastore: name one of {sorted(datastores)} "
+                                 f"as {name}:NAME (--datastore NAME=DIR)")
+            config["datastore"] = datastores[store]
+            label = store
+        runs.append(MethodRun(name, config, datastore=label))
     return runs
 
 

@@ -88,12 +88,3 @@ def plain_outputs(model_dir, code_prompts) -> list[list[int]]:
         return [generate_ids(llm, [p], greedy())[0] for p in code_prompts]
     finally:
         shutdown(llm)
-
-
-@pytest.fixture(scope="session")
-def rest_llm(model_dir, code_datastore, plain_outputs):
-    # Depends on plain_outputs so that the plain engine has shut down first.
-    llm = make_llm(model_dir, {"method": "rest", "num_speculative_tokens": K,
-                               "datastore": code_datastore})
-    yield llm
-    shutdown(llm)

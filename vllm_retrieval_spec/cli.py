@@ -63,6 +63,16 @@ def build_datastore_command(args: argparse.Namespace) -> None:
     )
 
 
+def generate_corpus_command(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.benchmarks.tasks import task_conversations
+    from vllm_retrieval_spec.datastore.generate import generate_corpus
+
+    generate_corpus(
+        resolve_model(args.model), task_conversations(args.task, args.prompts, args.prompt_offset),
+        args.output, max_tokens=args.max_tokens, temperature=args.temperature,
+        engine_kwargs={"dtype": args.dtype, "max_model_len": 2048})
+
+
 def inspect_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastore.format import load_datastore
 
@@ -88,11 +98,15 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> None:
 
 def bench_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.benchmarks.throughput import (
-        BenchSettings, default_methods, format_table, run_benchmark, write_results)
+        BenchSettings, format_table, method_runs, run_benchmark, write_results)
 
     model = resolve_model(args.model)
-    runs = default_methods(args.methods.split(","), args.k, args.datastore,
-                           json.loads(args.rest_options) if args.rest_options else None)
+    datastores = {}
+    for entry in args.datastore or []:
+        name, _, path = entry.rpartition("=")
+        datastores[name or Path(path).name] = path
+    runs = method_runs(args.methods.split(","), args.k, datastores,
+                       json.loads(args.method_options) if args.method_options else None)
     settings = BenchSettings(prompts=args.prompts, prompt_offset=args.prompt_offset,
                              max_tokens=args.max_tokens, num_speculative_tokens=args.k)
     command = "vllm-rsd " + shlex.join(sys.argv[1:])
@@ -115,8 +129,8 @@ def demo_command(args: argparse.Namespace) -> None:
             model=model, sources=["@stdlib"], output=str(datastore), text_field="text",
             messages_field="messages", extensions=".py", batch_size=256, overwrite=False))
     bench_command(argparse.Namespace(
-        model=model, methods="plain,ngram,rest", k=8, datastore=str(datastore),
-        rest_options=None, prompts=args.prompts, prompt_offset=0, max_tokens=args.max_tokens,
+        model=model, methods="plain,ngram,rest", k=8, datastore=[str(datastore)],
+        method_options=None, prompts=args.prompts, prompt_offset=0, max_tokens=args.max_tokens,
         run_name="demo", output_dir=None))
     print(f"demo finished in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
@@ -142,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer call")
     p.add_argument("--overwrite", action="store_true", help="replace an existing datastore")
 
+    p = sub.add_parser("generate-corpus",
+                       help="the model's own answers to task prompts, as a chat jsonl corpus")
+    p.add_argument("-o", "--output", required=True, help="jsonl file to write")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--task", default="code-gen", help="prompt set (see benchmarks/tasks.py)")
+    p.add_argument("--prompts", type=int, default=None, help="how many (default: all)")
+    p.add_argument("--prompt-offset", type=int, default=0,
+                   help="skip this many (keep benchmark prompts out of the datastore)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="float32", help="as served (our benchmarks use float32)")
+
     p = sub.add_parser("inspect", help="print a datastore's manifest and file sizes")
     p.add_argument("datastore")
     p.add_argument("--verify", action="store_true", help="also verify every checksum")
@@ -151,9 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="throughput of plain, ngram and retrieval methods")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--methods", default="plain,ngram,rest")
-    p.add_argument("--datastore", help="datastore directory for rest")
-    p.add_argument("--rest-options", help="extra REST options as JSON")
+    p.add_argument("--methods", default="plain,ngram,rest",
+                   help="comma-separated: plain, ngram, pld, rest[:NAME], hybrid[:NAME]")
+    p.add_argument("--datastore", action="append",
+                   help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
+    p.add_argument("--method-options",
+                   help='extra options per method as JSON, e.g. {"rest": {"max_occurrences": 32}}')
     p.add_argument("-k", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--prompt-offset", type=int, default=0)
@@ -177,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         print(resolve_model(args.model))
     elif args.command == "build-datastore":
         build_datastore_command(args)
+    elif args.command == "generate-corpus":
+        generate_corpus_command(args)
     elif args.command == "inspect":
         inspect_command(args)
     elif args.command == "serve":

@@ -45,14 +45,9 @@ class MethodConfig:
 
 
 @dataclass(frozen=True)
-class RestConfig(MethodConfig):
-    """REST: exact suffix match in a token datastore (paper: arXiv 2311.08252)."""
+class VotedDraftConfig(MethodConfig):
+    """Methods that vote the continuations of a suffix match in a trie (REST, PLD)."""
 
-    method: ClassVar[str] = "rest"
-    proposer_class: ClassVar[str] = "vllm_retrieval_spec.proposers.rest.RestProposer"
-
-    #: Directory written by ``vllm-rsd build-datastore``.
-    datastore: str = ""
     #: Context suffixes from ``max_match_len`` down to ``min_match_len`` tokens are tried.
     min_match_len: int = 2
     max_match_len: int = 16
@@ -66,16 +61,9 @@ class RestConfig(MethodConfig):
     min_prefix_prob: float = 0.3
     #: Pseudo-count of "no candidate is right" in that estimate.
     prior_weight: float = 2.0
-    #: Re-hash every datastore file at start-up (seconds for 50 M tokens).
-    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.datastore:
-            raise ConfigError(
-                "speculative_config['datastore'] is required for method 'rest': the directory "
-                "written by `vllm-rsd build-datastore`"
-            )
         _check_range(self, "min_match_len", 1, 64)
         _check_range(self, "max_match_len", self.min_match_len, 64)
         _check_range(self, "max_occurrences", 1, 4096)
@@ -83,7 +71,64 @@ class RestConfig(MethodConfig):
         _check_range(self, "prior_weight", 0.0, 1e6)
 
 
-METHODS: dict[str, type[MethodConfig]] = {cls.method: cls for cls in (RestConfig,)}
+@dataclass(frozen=True)
+class RestConfig(VotedDraftConfig):
+    """REST: exact suffix match in a token datastore (paper: arXiv 2311.08252)."""
+
+    method: ClassVar[str] = "rest"
+    proposer_class: ClassVar[str] = "vllm_retrieval_spec.proposers.rest.RestProposer"
+
+    #: Directory written by ``vllm-rsd build-datastore``.
+    datastore: str = ""
+    #: Re-hash every datastore file at start-up (seconds for 50 M tokens).
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.datastore:
+            raise ConfigError(
+                f"speculative_config['datastore'] is required for method {self.method!r}: the "
+                "directory written by `vllm-rsd build-datastore`"
+            )
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
+class PldConfig(VotedDraftConfig):
+    """PLD: n-gram lookup in the request's own context (baseline of arXiv 2412.01447)."""
+
+    method: ClassVar[str] = "pld"
+    proposer_class: ClassVar[str] = "vllm_retrieval_spec.proposers.pld.PldProposer"
+
+
+@dataclass(frozen=True)
+class HybridConfig(RestConfig):
+    """The request's own context and a REST datastore, voted in one trie (the best of both).
+
+    Weights make the sources comparable: all occurrences of a context match share
+    ``context_weight`` x match length each, and all datastore continuations share the datastore's
+    match length (so a datastore with many occurrences does not drown one context occurrence).
+    """
+
+    method: ClassVar[str] = "hybrid"
+    proposer_class: ClassVar[str] = "vllm_retrieval_spec.proposers.hybrid.HybridProposer"
+
+    #: Context suffixes from ``context_max_match_len`` down to ``context_min_match_len``.
+    context_min_match_len: int = 2
+    context_max_match_len: int = 16
+    #: Vote of one context occurrence per matched token, relative to the datastore's.
+    context_weight: float = 1.0
+    #: A context match at least this long is trusted alone: the datastore is not searched.
+    skip_datastore_match_len: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range(self, "context_min_match_len", 1, 64)
+        _check_range(self, "context_max_match_len", self.context_min_match_len, 64)
+        _check_range(self, "context_weight", 0.0, 1e6)
+        _check_range(self, "skip_datastore_match_len", 1, 65)
+
+
+METHODS: dict[str, type[MethodConfig]] = {cls.method: cls for cls in (RestConfig, PldConfig, HybridConfig)}
 
 
 def parse_speculative_config(options: dict[str, Any]) -> MethodConfig:

@@ -24,9 +24,8 @@ def rest_draft(
         continuation_len=max_len,
     )
     # Every occurrence of the same suffix is equally good evidence: one vote each.
-    weights = np.ones(len(candidates), dtype=np.float64)
-    return best_chain(candidates, lengths, weights, max_len, config.min_prefix_prob,
-                      config.prior_weight)
+    return best_chain(candidates, lengths, np.ones(len(candidates)), max_len,
+                      config.min_prefix_prob, config.prior_weight)
 
 
 class RestProposer(RetrievalProposer):
@@ -38,7 +37,7 @@ class RestProposer(RetrievalProposer):
         self.datastore = SuffixArrayDatastore.from_path(self.config.datastore,
                                                         verify_checksums=False)
         # Compile the numba functions now rather than inside the first decoding step.
-        self.draft(np.zeros(self.config.max_match_len, dtype=np.int32), self.k)
+        self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
         return rest_draft(self.datastore, context[-self.config.max_match_len:], max_len,

@@ -1,0 +1,99 @@
+"""PLD's context matching against brute force, and the hybrid merge of context and datastore."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_retrieval_spec.config import parse_speculative_config
+from vllm_retrieval_spec.datastore import SuffixArrayDatastore, build_datastore_from_token_ids
+from vllm_retrieval_spec.proposers.hybrid import hybrid_draft, source_weights
+from vllm_retrieval_spec.proposers.pld import find_context_matches, pld_draft
+
+
+def brute_force_context_matches(context, min_len, max_len, max_occurrences, width):
+    context = list(context)
+    for n in range(max_len, min_len - 1, -1):
+        if n >= len(context):
+            continue
+        suffix = context[-n:]
+        ends = [j for j in range(len(context) - 2, n - 2, -1) if context[j - n + 1:j + 1] == suffix]
+        if ends:
+            ends = ends[:max_occurrences]
+            return n, [context[j + 1:j + 1 + width] for j in ends]
+    return 0, []
+
+
+def test_hand_made_context():
+    context = np.array([7, 1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], dtype=np.int32)
+    cands, lengths, n = find_context_matches(context, 2, 8, 10, 3)
+    # "1 2 3" occurred twice before the end; the most recent comes first; the tail is clipped.
+    assert n == 3
+    assert [c[:l].tolist() for c, l in zip(cands, lengths)] == [[4, 5, 1], [9, 1, 2]]
+    assert find_context_matches(context, 4, 8, 10, 3)[2] == 0  # "9 1 2 3" never recurs
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 120))).astype(np.int32)
+    min_len = int(rng.integers(1, 4))
+    max_len = int(rng.integers(min_len, 10))
+    max_occurrences = int(rng.integers(1, 6))
+    cands, lengths, n = find_context_matches(context, min_len, max_len, max_occurrences, 5)
+    expected_n, expected = brute_force_context_matches(context, min_len, max_len,
+                                                       max_occurrences, 5)
+    assert n == expected_n
+    assert [c[:l].tolist() for c, l in zip(cands, lengths)] == expected
+
+
+def test_pld_votes_recurring_continuations():
+    config = parse_speculative_config({"method": "pld", "num_speculative_tokens": 4,
+                                       "min_prefix_prob": 0.0, "prior_weight": 0.0})
+    # "1 2" (the longest recurring suffix) was followed by "3 4" twice and by "8" once; the
+    # majority wins, then the tie between "0" and "6" goes to the most recent occurrence.
+    context = np.array([5, 1, 2, 3, 4, 6, 1, 2, 8, 7, 1, 2, 3, 4, 0, 1, 2], dtype=np.int32)
+    assert pld_draft(context, 4, config).tolist() == [3, 4, 0, 1]
+
+
+def test_source_weights():
+    np.testing.assert_allclose(source_weights(4, 3, 2.0, shared=False), [6, 6, 6, 6])
+    np.testing.assert_allclose(source_weights(4, 3, 1.0, shared=True), [0.75] * 4)
+    assert source_weights(0, 0, 1.0, shared=True).shape == (0,)
+
+
+@pytest.fixture
+def datastore(tmp_path):
+    # In the corpus "5 6" is followed by "7 7 7" (three times).
+    documents = [[5, 6, 7, 7, 7]] * 3
+    path = tmp_path / "ds"
+    build_datastore_from_token_ids(documents, path, tokenizer_name="t",
+                                   tokenizer_fingerprint="0" * 64, vocab_size=100,
+                                   progress=False)
+    return str(path), SuffixArrayDatastore.from_path(path)
+
+
+def hybrid(path, **options):
+    return parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
+                                     "datastore": path, "min_prefix_prob": 0.0,
+                                     "prior_weight": 0.0, **options})
+
+
+def test_hybrid_merges_context_and_datastore(datastore):
+    path, store = datastore
+    # The context saw "5 6" followed by "9 9" once; the datastore says "7 7 7" (match 2 each).
+    context = np.array([5, 6, 9, 9, 1, 5, 6], dtype=np.int32)
+    # One context occurrence weighs 2 x 1.0 = 2 and the datastore's three share 2 in all: a tie,
+    # which goes to the context's candidate (inserted first). Halving the context's weight flips it.
+    assert hybrid_draft(store, context, 3, hybrid(path)).tolist() == [9, 9, 1]
+    assert hybrid_draft(store, context, 3, hybrid(path, context_weight=0.5)).tolist() == [7, 7, 7]
+
+
+def test_long_context_match_skips_the_datastore(datastore):
+    path, store = datastore
+    context = np.array([4, 5, 6, 9, 9, 4, 5, 6], dtype=np.int32)
+    config = hybrid(path, context_weight=0.01, skip_datastore_match_len=3)
+    # The context matches "4 5 6" (3 tokens): the datastore is not consulted even though heavier.
+    assert hybrid_draft(store, context, 3, config).tolist() == [9, 9, 4]
+    config = hybrid(path, context_weight=0.01, skip_datastore_match_len=4)
+    assert hybrid_draft(store, context, 3, config).tolist() == [7, 7, 7]
