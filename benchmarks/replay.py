@@ -12,6 +12,7 @@ rules; confirm winners with ``vllm-rsd bench``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 
 DraftFn = Callable[[np.ndarray, int], np.ndarray]
+#: Makes the drafting function for one recorded request (PLD+ needs that request's states).
+DraftFactory = Callable[[dict[str, list[int]]], DraftFn]
 
 
 #: Verifying one more draft token costs this fraction of a plain decoding step (SmolLM2, fp32,
@@ -28,7 +31,7 @@ DraftFn = Callable[[np.ndarray, int], np.ndarray]
 DRAFT_TOKEN_COST = 0.055
 
 
-def replay(records: list[dict[str, list[int]]], draft: DraftFn, k: int,
+def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int,
            draft_token_cost: float = DRAFT_TOKEN_COST) -> dict[str, float]:
     """Walk every recorded output as the engine would with ``draft``; summarise.
 
@@ -40,6 +43,7 @@ def replay(records: list[dict[str, list[int]]], draft: DraftFn, k: int,
     for record in records:
         prompt, output = record["prompt"], record["output"]
         sequence = np.asarray(prompt + output, dtype=np.int32)
+        draft = make_draft(record)
         position = 1  # the prefill forward produced output[0]
         forwards += 1
         while position < len(output):
@@ -71,21 +75,59 @@ def load_records(path: str) -> list[dict[str, list[int]]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def draft_function(config: Any) -> DraftFn:
-    """The same pure drafting function the method's proposer calls in vLLM."""
-    from vllm_retrieval_spec.config import HybridConfig, PldConfig, RestConfig
+def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
+    """The same pure drafting function the method's proposer calls in vLLM, per request."""
+    from vllm_retrieval_spec.config import HybridConfig, PldConfig, PldPlusConfig, RestConfig
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
     from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
-    from vllm_retrieval_spec.proposers.pld import pld_draft
+    from vllm_retrieval_spec.proposers.pld import pld_draft, pld_plus_draft
     from vllm_retrieval_spec.proposers.rest import rest_draft
 
     if isinstance(config, RestConfig):  # hybrid too: it extends REST
         datastore = SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
         draft = hybrid_draft if isinstance(config, HybridConfig) else rest_draft
-        return lambda context, n: draft(datastore, context, n, config)
+        return lambda record: lambda context, n: draft(datastore, context, n, config)
     if isinstance(config, PldConfig):
-        return lambda context, n: pld_draft(context, n, config)
+        return lambda record: lambda context, n: pld_draft(context, n, config)
+    if isinstance(config, PldPlusConfig):
+        if model is None:
+            raise ValueError("replaying pld_plus needs --model for the hidden states")
+        states = _transformers_states(model)
+        return lambda record: _with_states(states(record, config.layer), config, pld_plus_draft)
     raise ValueError(f"no replay for method {config.method!r}")
+
+
+def _with_states(states: np.ndarray, config: Any, draft: Callable) -> DraftFn:
+    # A causal model's states for a prefix do not depend on what follows, so the states of the
+    # whole recorded sequence serve every prefix.
+    return lambda context, n: draft(context, states[: len(context) - 1], n, config)
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_states(model: str) -> TransformersStates:
+    return TransformersStates(model)
+
+
+class TransformersStates:
+    """Unit-normalised hidden states of a recorded sequence at one layer (cached per record)."""
+
+    def __init__(self, model: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        self.cache: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, record: dict[str, list[int]], layer: int) -> np.ndarray:
+        from vllm_retrieval_spec.proposers.hidden_states import unit_rows
+
+        sequence = tuple(record["prompt"] + record["output"])
+        if sequence not in self.cache:
+            with self.torch.no_grad():
+                out = self.model(self.torch.tensor([sequence]), output_hidden_states=True)
+            self.cache[sequence] = [h[0].numpy() for h in out.hidden_states]
+        return unit_rows(self.cache[sequence][layer])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,11 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", required=True,
                         help="JSON list of speculative_config dicts to compare")
     parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens if not given")
+    parser.add_argument("--model", help="model folder, for methods that rank by hidden states")
     args = parser.parse_args(argv)
     records = load_records(args.outputs)
     for options in json.loads(args.configs):
         config = parse_speculative_config({"num_speculative_tokens": args.k, **options})
-        result = replay(records, draft_function(config), config.num_speculative_tokens)
+        result = replay(records, draft_factory(config, args.model), config.num_speculative_tokens)
         print(json.dumps({"config": options, **result}))
 
 

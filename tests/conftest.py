@@ -10,6 +10,8 @@ import pytest
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Lets tests read worker-side state with LLM.collective_rpc(callable); tests only.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 E2E_PROMPTS = 8
 E2E_MAX_TOKENS = 32

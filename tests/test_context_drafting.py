@@ -83,9 +83,9 @@ def test_hybrid_merges_context_and_datastore(datastore):
     path, store = datastore
     # The context saw "5 6" followed by "9 9" once; the datastore says "7 7 7" (match 2 each).
     context = np.array([5, 6, 9, 9, 1, 5, 6], dtype=np.int32)
-    # One context occurrence weighs 2 x 1.0 = 2 and the datastore's three share 2 in all: a tie,
+    # With context_weight 1, one context occurrence weighs 2 x 1.0 = 2 and the datastore's three share 2 in all: a tie,
     # which goes to the context's candidate (inserted first). Halving the context's weight flips it.
-    assert hybrid_draft(store, context, 3, hybrid(path)).tolist() == [9, 9, 1]
+    assert hybrid_draft(store, context, 3, hybrid(path, context_weight=1.0)).tolist() == [9, 9, 1]
     assert hybrid_draft(store, context, 3, hybrid(path, context_weight=0.5)).tolist() == [7, 7, 7]
 
 

@@ -18,7 +18,7 @@ from conftest import E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, shutdown
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module", params=["rest", "pld", "hybrid"])
+@pytest.fixture(scope="module", params=["rest", "pld", "pld_plus", "hybrid"])
 def spec_llm(request, model_dir, code_datastore, plain_outputs):
     """One engine per method, alive while that method's tests run (pytest groups them)."""
     spec = {"method": request.param, "num_speculative_tokens": K}
@@ -69,6 +69,32 @@ def test_drafting_time_is_recorded_per_step(spec_llm):
     stats = spec_llm.collective_rpc("rsd_drafting_stats")[0]
     assert stats["steps"] > 0
     assert 0 < stats["p50_ms"] <= stats["p99_ms"]
+
+
+@pytest.mark.parametrize("spec_llm", ["pld_plus"], indirect=True)
+def test_pld_plus_states_equal_a_transformers_forward(spec_llm, model_dir, code_prompts):
+    """The per-request cache holds, for every context position, the state a plain forward of
+    the whole sequence gives at that layer: positions and rejected drafts are handled right."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_retrieval_spec.config import PldPlusConfig
+
+    prompt = code_prompts[0]
+    output = generate_ids(spec_llm, [prompt], greedy())[0]
+    # The finished request's states stay cached until the next step drops them.
+    (cached,) = spec_llm.collective_rpc(
+        lambda worker: [c.view().copy() for c in worker.model_runner.drafter.caches.values()])
+    assert len(cached) == 1
+    states = cached[0]
+    sequence = prompt + output[:-1]  # the last token was never fed to the model
+    assert states.shape[0] == len(sequence)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        layer = model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        layer = layer[PldPlusConfig.layer][0]
+    expected = torch.nn.functional.normalize(layer, dim=-1).numpy()
+    assert abs(states - expected).max() < 1e-3
 
 
 def _free_port() -> int:

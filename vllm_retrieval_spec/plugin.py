@@ -7,8 +7,13 @@ checks the vLLM version and the exact signatures of the private methods it wraps
   ``custom_class`` method with our proposer class, validates our options once (including the
   datastore against the model's tokenizer) and moves them into ``additional_config``, which
   reaches the workers. This serves ``LLM(...)`` and the OpenAI server's ``--speculative-config``.
+- ``GPUModelRunner.__init__`` and ``GPUModelRunner._get_eagle3_aux_layers_from_config``: a
+  drafter that names ``aux_hidden_state_layers`` (PLD+) gets vLLM's EAGLE-3 auxiliary
+  hidden-state path switched on for exactly those layers.
 - ``GPUModelRunner.propose_draft_token_ids`` (also the CPU runner's): times every drafting step,
-  for every method including vLLM's own, so benchmarks compare like with like.
+  for every method including vLLM's own, so benchmarks compare like with like; before drafting,
+  hands a drafter that wants them this step's auxiliary hidden states with request ids and
+  positions (``record_hidden_states``).
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
 """
 
@@ -21,7 +26,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_retrieval_spec.config import METHODS, PLUGIN_KEY, MethodConfig, parse_speculative_config
+from vllm_retrieval_spec.config import (
+    METHODS,
+    PLUGIN_KEY,
+    ConfigError,
+    MethodConfig,
+    PldPlusConfig,
+    parse_speculative_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +49,9 @@ _WRAPPED_SIGNATURES = {
         "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
         "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
         "common_attn_metadata", "slot_mappings"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__": ("self", "vllm_config", "device"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_eagle3_aux_layers_from_config": (
+        "self",),
 }
 
 _registered = False
@@ -59,7 +74,11 @@ def register() -> None:
 
     EngineArgs.create_speculative_config = _with_retrieval_methods(
         EngineArgs.create_speculative_config)
-    GPUModelRunner.propose_draft_token_ids = _timed(GPUModelRunner.propose_draft_token_ids)
+    GPUModelRunner.__init__ = _with_aux_hidden_states(GPUModelRunner.__init__)
+    GPUModelRunner._get_eagle3_aux_layers_from_config = _drafter_aux_layers_first(
+        GPUModelRunner._get_eagle3_aux_layers_from_config)
+    GPUModelRunner.propose_draft_token_ids = _timed_with_hidden_states(
+        GPUModelRunner.propose_draft_token_ids)
     Worker.rsd_drafting_stats = _drafting_stats
     _registered = True
 
@@ -93,6 +112,8 @@ def _with_retrieval_methods(create_speculative_config: Callable) -> Callable:
         if isinstance(options, dict) and options.get("method") in METHODS:
             config = parse_speculative_config(options)
             validate_against_model(config, target_model_config)
+            if isinstance(config, PldPlusConfig):
+                _without_prefix_caching(self)
             self.additional_config = {**(self.additional_config or {}),
                                       PLUGIN_KEY: config.to_dict()}
             self.speculative_config = {
@@ -105,8 +126,28 @@ def _with_retrieval_methods(create_speculative_config: Callable) -> Callable:
     return wrapper
 
 
+def _without_prefix_caching(engine_args: Any) -> None:
+    """PLD+ needs every context position's hidden state; prefix-cached tokens are never
+    recomputed, so their states would be missing."""
+    if engine_args.enable_prefix_caching:
+        raise ConfigError(
+            "method 'pld_plus' needs hidden states for every context token, and prefix-cached "
+            "tokens are not recomputed: pass enable_prefix_caching=False "
+            "(--no-enable-prefix-caching)")
+    if engine_args.enable_prefix_caching is None:
+        logger.info("method 'pld_plus': prefix caching turned off (it would hide hidden states)")
+        engine_args.enable_prefix_caching = False
+
+
 def validate_against_model(config: MethodConfig, model_config: Any) -> None:
-    """Start-up checks that need the target model: the datastore's tokenizer must be the model's."""
+    """Start-up checks that need the target model: the datastore's tokenizer must be the model's,
+    a hidden-state layer must exist."""
+    if isinstance(config, PldPlusConfig):
+        depth = model_config.hf_text_config.num_hidden_layers
+        if config.layer > depth:
+            raise ConfigError(
+                f"speculative_config['layer']={config.layer} is out of range for this model: "
+                f"it has {depth} layers, so the layer must be in [0, {depth}]")
     datastore = getattr(config, "datastore", None)
     if not datastore:
         return
@@ -123,19 +164,68 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
                    verify_checksums=config.verify_checksums)
 
 
-def _timed(propose_draft_token_ids: Callable) -> Callable:
+def _drafter_aux_layers(runner: Any) -> tuple[int, ...] | None:
+    return getattr(runner.__dict__.get("drafter"), "aux_hidden_state_layers", None)
+
+
+def _with_aux_hidden_states(init: Callable) -> Callable:
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        # Read at every forward, so the model's output is unpacked as (states, aux states).
+        if _drafter_aux_layers(self):
+            self.use_aux_hidden_state_outputs = True
+
+    return wrapper
+
+
+def _drafter_aux_layers_first(get_aux_layers: Callable) -> Callable:
+    def wrapper(self):
+        return _drafter_aux_layers(self) or get_aux_layers(self)
+
+    return wrapper
+
+
+def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
     from vllm_retrieval_spec.metrics import DraftingTimer
 
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                sample_hidden_states, aux_hidden_states, *args, **kwargs):
         timer = self.__dict__.get("_rsd_drafting_timer")
         if timer is None:
             timer = self._rsd_drafting_timer = DraftingTimer()
         start = time.perf_counter_ns()
-        drafts = propose_draft_token_ids(self, *args, **kwargs)
+        if aux_hidden_states is not None and _drafter_aux_layers(self):
+            self.drafter.record_hidden_states(
+                list(self.input_batch.req_ids), aux_hidden_states,
+                _accepted_state_segments(self, scheduler_output, sampled_token_ids))
+        drafts = propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
+                                         sampling_metadata, hidden_states, sample_hidden_states,
+                                         aux_hidden_states, *args, **kwargs)
         timer.record(time.perf_counter_ns() - start)
         return drafts
 
     return wrapper
+
+
+def _accepted_state_segments(runner: Any, scheduler_output: Any,
+                             sampled_token_ids: list[list[int]]) -> list[tuple[int, int, int]]:
+    """For each batch row: (first position, first row in this step's states, rows to keep).
+
+    A row's scheduled tokens are contiguous in the step's states, in batch order. Their states
+    belong to the context only up to the last accepted draft token: rejected drafts' states
+    are dropped (a prefill chunk keeps all of its tokens).
+    """
+    segments = []
+    offset = 0
+    for i, req_id in enumerate(runner.input_batch.req_ids):
+        scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        drafted = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
+        rejected = drafted - (len(sampled) - 1) if drafted and sampled else drafted
+        position = int(runner.input_batch.num_computed_tokens_cpu[i])
+        segments.append((position, offset, scheduled - rejected))
+        offset += scheduled
+    return segments
 
 
 def _drafting_stats(worker: Any, reset: bool = False) -> dict[str, float | int]:

@@ -37,6 +37,10 @@ class RetrievalProposer:
         """Draft at most ``max_len`` tokens to follow ``context`` (int32, the request's tokens)."""
         raise NotImplementedError
 
+    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+        """``draft`` for batch row ``row``; methods with per-request state override this."""
+        return self.draft(context, max_len)
+
     def propose(
         self,
         sampled_token_ids: list[list[int]],
@@ -56,12 +60,12 @@ class RetrievalProposer:
             if max_len <= 0:
                 drafts.append([])
                 continue
-            drafts.append(self._safe_draft(token_ids_cpu[i, :num_tokens], max_len))
+            drafts.append(self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len))
         return drafts
 
-    def _safe_draft(self, context: np.ndarray, max_len: int) -> list[int]:
+    def _safe_draft(self, row: int, context: np.ndarray, max_len: int) -> list[int]:
         try:
-            draft = self.draft(context, max_len)
+            draft = self.draft_row(row, context, max_len)
         except Exception:
             self._fail("raised", exc_info=True)
             return []

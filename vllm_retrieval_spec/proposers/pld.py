@@ -1,9 +1,15 @@
-"""PLD: prompt lookup, drafting from the request's own context (baseline of arXiv 2412.01447).
+"""PLD and PLD+ (arXiv 2412.01447): drafting from the request's own context.
 
+PLD:
 The longest context suffix (``max_match_len`` down to ``min_match_len`` tokens) that occurred
 earlier in the same request is found by a compiled backwards scan; the continuations of its
 most recent occurrences are voted in the weighted trie, like REST's, and the best chain is
 drafted with an adaptive length. vLLM's ``ngram`` instead drafts k tokens after one occurrence.
+
+PLD+: every earlier occurrence of the last token is a candidate; they are ranked by the cosine
+similarity of an early layer's hidden states (the paper's PLD+(h)) and the best one's
+continuation is drafted. The paper's attention-based ranking, PLD+(a), needs attention weights,
+which vLLM's fused attention kernels never materialise, so it is not offered.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from typing import Any
 import numba
 import numpy as np
 
-from vllm_retrieval_spec.config import PldConfig
+from vllm_retrieval_spec.config import PldConfig, PldPlusConfig
 from vllm_retrieval_spec.drafting.tree import best_chain
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
+from vllm_retrieval_spec.proposers.hidden_states import HiddenStateCache, unit_rows
 
 
 @numba.njit(cache=True)
@@ -73,3 +80,70 @@ class PldProposer(RetrievalProposer):
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
         return pld_draft(context, max_len, self.config)
+
+
+def rank_occurrences(context: np.ndarray, unit_states: np.ndarray, min_similarity: float,
+                     max_candidates: int) -> int:
+    """PLD+(h): the earlier occurrence ``j`` of the last token whose preceding state is most
+    similar to the state before the last token, or -1.
+
+    ``unit_states[p]`` is the unit-normalised early-layer state of context position ``p``; the
+    last token's own state is not computed yet, so ``cos(H[j - 1], H[n - 2])`` compares the
+    states that led to each occurrence with the one that led to the last token.
+    """
+    n = len(context)
+    if n < 3 or len(unit_states) < n - 1:
+        return -1
+    occurrences = np.flatnonzero(context[1:n - 1] == context[n - 1]) + 1
+    if not len(occurrences):
+        return -1
+    occurrences = occurrences[-max_candidates:]
+    similarity = unit_states[occurrences - 1] @ unit_states[n - 2]
+    best = int(np.argmax(similarity))
+    return int(occurrences[best]) if similarity[best] >= min_similarity else -1
+
+
+def pld_plus_draft(context: np.ndarray, unit_states: np.ndarray, max_len: int,
+                   config: PldPlusConfig) -> np.ndarray:
+    """The continuation of the best-ranked occurrence of the last token."""
+    j = rank_occurrences(context, unit_states, config.min_similarity, config.max_candidates)
+    if j < 0:
+        return np.empty(0, dtype=np.int32)
+    return np.asarray(context[j + 1:j + 1 + max_len], dtype=np.int32)
+
+
+class PldPlusProposer(RetrievalProposer):
+    """Keeps every request's early-layer states (``record_hidden_states``, called by the plugin
+    each step before ``propose``) and drafts with ``pld_plus_draft``."""
+
+    config: PldPlusConfig
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+        self.aux_hidden_state_layers = (self.config.layer,)
+        self.hidden_size = vllm_config.model_config.get_hidden_size()
+        self.caches: dict[str, HiddenStateCache] = {}
+        self.row_req_ids: list[str] = []
+
+    def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],
+                             segments: list[tuple[int, int, int]]) -> None:
+        """Store this step's accepted states; forget requests that left the batch."""
+        states = aux_hidden_states[0]
+        for req_id in self.caches.keys() - set(req_ids):
+            del self.caches[req_id]
+        for req_id, (position, offset, count) in zip(req_ids, segments):
+            cache = self.caches.get(req_id)
+            if cache is None:
+                cache = self.caches[req_id] = HiddenStateCache(self.hidden_size,
+                                                               self.max_model_len)
+            rows = states[offset:offset + count].float().cpu().numpy()
+            cache.write(position, unit_rows(rows))
+        self.row_req_ids = req_ids
+
+    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+        cache = self.caches.get(self.row_req_ids[row]) if row < len(self.row_req_ids) else None
+        states = cache.view() if cache is not None else None
+        if states is None:
+            # States for part of the context were never seen: no draft rather than a guess.
+            return np.empty(0, dtype=np.int32)
+        return pld_plus_draft(context, states, max_len, self.config)

@@ -1,0 +1,121 @@
+"""PLD+: the per-request hidden-state cache and the similarity ranking, with synthetic states."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_retrieval_spec.config import PLUGIN_KEY, parse_speculative_config
+from vllm_retrieval_spec.proposers.hidden_states import HiddenStateCache, unit_rows
+from vllm_retrieval_spec.proposers.pld import PldPlusProposer, pld_plus_draft, rank_occurrences
+
+H = 4
+
+
+def test_cache_keeps_accepted_states_and_drops_rejected_ones():
+    cache = HiddenStateCache(H, max_len=64, capacity=2)
+    cache.write(0, np.ones((3, H)))            # prefill of 3 tokens, grows past capacity 2
+    cache.write(3, np.full((5, H), 2.0))       # last token + 4 drafts, all kept...
+    cache.write(5, np.full((2, H), 3.0))       # ...but the next step restarts at position 5
+    assert cache.length == 7
+    np.testing.assert_array_equal(cache.view()[:, 0], [1, 1, 1, 2, 2, 3, 3])
+
+
+def test_cache_with_a_gap_is_incomplete_until_recomputed():
+    cache = HiddenStateCache(H, max_len=64)
+    cache.write(0, np.ones((2, H)))
+    cache.write(5, np.ones((1, H)))            # positions 2..4 were never seen
+    assert cache.view() is None
+    cache.write(0, np.ones((6, H)))            # recomputed from the start (preemption)
+    assert cache.view() is not None and cache.length == 6
+
+
+def brute_force_rank(context, states, min_similarity, max_candidates):
+    n = len(context)
+    candidates = [j for j in range(1, n - 1) if context[j] == context[-1]][-max_candidates:]
+    scored = [(float(states[j - 1] @ states[n - 2]), -i, j) for i, j in enumerate(candidates)]
+    if not scored:
+        return -1
+    best = max(scored)
+    return best[2] if best[0] >= min_similarity else -1
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_ranking_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    context = rng.integers(0, 4, n).astype(np.int32)
+    states = unit_rows(rng.normal(size=(max(n - 1, 0), H)).astype(np.float32))
+    for min_similarity, max_candidates in [(-1.0, 100), (0.0, 100), (0.0, 2), (0.5, 5)]:
+        assert rank_occurrences(context, states, min_similarity, max_candidates) == \
+            brute_force_rank(context, states, min_similarity, max_candidates)
+
+
+def config(**options):
+    return parse_speculative_config({"method": "pld_plus", "num_speculative_tokens": 3,
+                                     **options})
+
+
+def test_draft_follows_the_most_similar_occurrence():
+    # Token 7 occurs at 2 and 5; the state before the last 7 (position 7) resembles position 4's.
+    context = np.array([0, 1, 7, 8, 9, 7, 5, 6, 7], dtype=np.int32)
+    states = np.zeros((8, H), dtype=np.float32)
+    states[:, 0] = 1
+    states[4] = states[7] = [0, 1, 0, 0]
+    assert pld_plus_draft(context, states, 3, config()).tolist() == [5, 6, 7]
+    states[1] = states[7] = [0, 0, 1, 0]
+    states[4] = [1, 0, 0, 0]
+    assert pld_plus_draft(context, states, 3, config()).tolist() == [8, 9, 7]
+    states[7] = [0, 0, 0, 1]  # orthogonal to every earlier state: similarity 0 < 0.1
+    assert pld_plus_draft(context, states, 3, config(min_similarity=0.1)).tolist() == []
+
+
+def make_proposer():
+    cfg = config(layer=2)
+    vllm_config = SimpleNamespace(
+        additional_config={PLUGIN_KEY: cfg.to_dict()},
+        speculative_config=SimpleNamespace(num_speculative_tokens=3),
+        model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100,
+                                     get_hidden_size=lambda: H),
+    )
+    return PldPlusProposer(vllm_config)
+
+
+def one_hot(rows):
+    states = torch.zeros((len(rows), H))
+    for i, r in enumerate(rows):
+        states[i, r] = 1.0
+    return states
+
+
+def test_states_follow_requests_across_reordering_and_leaving():
+    proposer = make_proposer()
+    assert proposer.aux_hidden_state_layers == (2,)
+    # Step 1: request a prefills 3 tokens, b prefills 2 (rows a, b).
+    proposer.record_hidden_states(["a", "b"], [one_hot([0, 1, 2, 3, 3])],
+                                  [(0, 0, 3), (0, 3, 2)])
+    # Step 2: rows swapped; b computes 1 token, a computes 1 token + 2 drafts of which 1 is
+    # rejected (2 states kept).
+    proposer.record_hidden_states(["b", "a"], [one_hot([1, 0, 0, 3])],
+                                  [(2, 0, 1), (3, 1, 2)])
+    np.testing.assert_array_equal(proposer.caches["a"].view().argmax(1), [0, 1, 2, 0, 0])
+    np.testing.assert_array_equal(proposer.caches["b"].view().argmax(1), [3, 3, 1])
+    # Drafting for row 1 (= request a) uses a's states: context "4 7 4 5 9 4"...
+    tokens = np.zeros((2, 64), dtype=np.int32)
+    tokens[1, :6] = [4, 7, 4, 5, 9, 4]
+    drafts = proposer.propose([[1], [9]], np.array([3, 6], np.int32), tokens)
+    assert drafts[1] == [5, 9, 4]
+    # Step 3: a has finished; only b is in the batch, so a's states are freed.
+    proposer.record_hidden_states(["b"], [one_hot([2])], [(3, 0, 1)])
+    assert set(proposer.caches) == {"b"}
+
+
+def test_no_draft_without_complete_states():
+    proposer = make_proposer()
+    proposer.record_hidden_states(["a"], [one_hot([0])], [(4, 0, 1)])  # positions 0..3 unseen
+    tokens = np.zeros((1, 64), dtype=np.int32)
+    tokens[0, :6] = [4, 7, 4, 5, 9, 4]
+    assert proposer.propose([[4]], np.array([6], np.int32), tokens) == [[]]
