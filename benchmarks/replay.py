@@ -140,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="JSON list of speculative_config dicts to compare")
     parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens if not given")
     parser.add_argument("--model", help="model folder, for methods that rank by hidden states")
+    parser.add_argument("--task", help="replay only this task's records")
     args = parser.parse_args(argv)
-    records = load_records(args.outputs)
+    records = [r for r in load_records(args.outputs)
+               if args.task is None or r.get("task", "code-gen") == args.task]
     for options in json.loads(args.configs):
         config = parse_speculative_config({"num_speculative_tokens": args.k, **options})
         result = replay(records, draft_factory(config, args.model), config.num_speculative_tokens)

@@ -32,7 +32,7 @@ class MethodRun:
 
 @dataclass
 class BenchSettings:
-    task: str = "code-gen"
+    tasks: tuple[str, ...] = ("code-gen",)
     prompts: int = 20
     prompt_offset: int = 0
     max_tokens: int = 128
@@ -81,25 +81,24 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
 
 def run_benchmark(model: str, runs: list[MethodRun], settings: BenchSettings,
                   run_name: str, command: str) -> dict[str, Any]:
-    """Run every method on the task's prompts; return the results document."""
+    """Run every method on every task's prompts; return the results document."""
     from transformers import AutoTokenizer
 
     from vllm_retrieval_spec.benchmarks.tasks import task_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = task_prompts(settings.task, tokenizer, settings.prompts, settings.prompt_offset)
+    prompts = {task: task_prompts(task, tokenizer, settings.prompts, settings.prompt_offset)
+               for task in settings.tasks}
     rows: list[dict[str, Any]] = []
-    plain_outputs: list[list[int]] | None = None
-    plain_tps = None
+    plain: dict[str, tuple[list[list[int]], float]] = {}
     for run in runs:
-        row, outputs = _run_method(model, run, prompts, settings)
-        if run.method == "plain":
-            plain_outputs, plain_tps = outputs, row["tokens_per_s"]
-            row["outputs_equal_plain"] = True
-        else:
+        for task, (row, outputs) in _run_method(model, run, prompts, settings).items():
+            if run.method == "plain":
+                plain[task] = (outputs, row["tokens_per_s"])
+            plain_outputs, plain_tps = plain[task]
+            row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
             row["outputs_equal_plain"] = outputs == plain_outputs
-        row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3) if plain_tps else None
-        rows.append(row)
+            rows.append(row)
         print(format_table(rows), file=sys.stderr)
     import vllm
 
@@ -111,12 +110,15 @@ def run_benchmark(model: str, runs: list[MethodRun], settings: BenchSettings,
         "vllm": vllm.__version__,
         "command": command,
         "rows": rows,
-        "plain_outputs": [{"prompt": p, "output": o} for p, o in zip(prompts, plain_outputs or [])],
+        "plain_outputs": [{"task": task, "prompt": p, "output": o}
+                          for task, (outputs, _) in plain.items()
+                          for p, o in zip(prompts[task], outputs)],
     }
 
 
-def _run_method(model: str, run: MethodRun, prompts: list[list[int]],
-                settings: BenchSettings) -> tuple[dict[str, Any], list[list[int]]]:
+def _run_method(model: str, run: MethodRun, prompts: dict[str, list[list[int]]],
+                settings: BenchSettings) -> dict[str, tuple[dict[str, Any], list[list[int]]]]:
+    """One engine for the method; every task's prompts one at a time, greedy."""
     from vllm import LLM, SamplingParams
 
     print(f"[bench] {run.method}: starting engine", file=sys.stderr)
@@ -124,41 +126,50 @@ def _run_method(model: str, run: MethodRun, prompts: list[list[int]],
               max_model_len=settings.max_model_len, dtype=settings.dtype,
               disable_log_stats=False, seed=0,
               **settings.engine_kwargs)
+    speculative = run.speculative_config is not None
+    greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
+    results = {}
     try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens, ignore_eos=False)
         # Warm up (numba, allocator, first-step paths) outside the timed region.
-        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8),
-                     use_tqdm=False)
-        before = _spec_counters(llm)
-        speculative = run.speculative_config is not None
-        if speculative:
-            llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
-        outputs: list[list[int]] = []
-        elapsed = 0.0
-        for i, prompt in enumerate(prompts):
-            start = time.perf_counter()
-            result = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
-            elapsed += time.perf_counter() - start
-            outputs.append(list(result[0].outputs[0].token_ids))
-            print(f"[bench] {run.method}: prompt {i + 1}/{len(prompts)}, "
-                  f"{sum(map(len, outputs))} tokens in {elapsed:.1f} s", file=sys.stderr)
-        after = _spec_counters(llm)
-        drafting = (llm.collective_rpc("rsd_drafting_stats")[0] if speculative
-                    else {"p50_ms": None, "p99_ms": None})
+        first = next(iter(prompts.values()))[0]
+        llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=8), use_tqdm=False)
+        for task, task_prompts in prompts.items():
+            before = _spec_counters(llm)
+            if speculative:
+                llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
+            outputs: list[list[int]] = []
+            elapsed = 0.0
+            for i, prompt in enumerate(task_prompts):
+                start = time.perf_counter()
+                result = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+                elapsed += time.perf_counter() - start
+                outputs.append(list(result[0].outputs[0].token_ids))
+                print(f"[bench] {run.method} {task}: prompt {i + 1}/{len(task_prompts)}, "
+                      f"{sum(map(len, outputs))} tokens in {elapsed:.1f} s", file=sys.stderr)
+            after = _spec_counters(llm)
+            drafting = (llm.collective_rpc("rsd_drafting_stats")[0] if speculative
+                        else {"p50_ms": None, "p99_ms": None})
+            results[task] = (_row(run, task, settings, outputs, elapsed,
+                                  after["accepted"] - before["accepted"],
+                                  after["drafts"] - before["drafts"], drafting), outputs)
     finally:
         _shutdown(llm)
+    return results
+
+
+def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[int]],
+         elapsed: float, accepted: float, drafts: float,
+         drafting: dict[str, Any]) -> dict[str, Any]:
     output_tokens = sum(map(len, outputs))
-    accepted = after["accepted"] - before["accepted"]
-    drafts = after["drafts"] - before["drafts"]
     config = dict(run.speculative_config or {})
     config.pop("method", None)
     config["dtype"] = settings.dtype
-    row = {
-        "task": settings.task,
+    return {
+        "task": task,
         "method": run.method,
         "config": config,
         "datastore": run.datastore,
-        "prompts": len(prompts),
+        "prompts": len(outputs),
         "max_tokens": settings.max_tokens,
         "temperature": 0.0,
         "concurrency": 1,
@@ -171,7 +182,6 @@ def _run_method(model: str, run: MethodRun, prompts: list[list[int]],
         "draft_ms_p99": _round(drafting["p99_ms"]),
         "elapsed_s": round(elapsed, 2),
     }
-    return row, outputs
 
 
 def _spec_counters(llm: Any) -> dict[str, float]:

@@ -68,3 +68,21 @@ def test_k_out_of_range(model_dir, code_datastore, k):
 def test_unknown_option(model_dir, code_datastore):
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['max_occurences'\]"):
         start(model_dir, datastore=code_datastore, max_occurences=8)
+
+
+def test_pld_plus_refuses_explicit_prefix_caching(model_dir):
+    from vllm import LLM
+
+    with pytest.raises(ConfigError, match=r"method 'pld_plus' needs hidden states for every "
+                                          r"context token.*enable_prefix_caching=False"):
+        LLM(model=model_dir, enforce_eager=True, max_model_len=2048, enable_prefix_caching=True,
+            speculative_config={"method": "pld_plus", "num_speculative_tokens": 8})
+
+
+def test_pld_plus_layer_beyond_the_model(model_dir):
+    from vllm import LLM
+
+    with pytest.raises(ConfigError, match=r"'layer'\]=31 is out of range for this model: it "
+                                          r"has 30 layers"):
+        LLM(model=model_dir, enforce_eager=True, max_model_len=2048,
+            speculative_config={"method": "pld_plus", "num_speculative_tokens": 8, "layer": 31})

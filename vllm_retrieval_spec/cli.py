@@ -107,7 +107,8 @@ def bench_command(args: argparse.Namespace) -> None:
         datastores[name or Path(path).name] = path
     runs = method_runs(args.methods.split(","), args.k, datastores,
                        json.loads(args.method_options) if args.method_options else None)
-    settings = BenchSettings(prompts=args.prompts, prompt_offset=args.prompt_offset,
+    settings = BenchSettings(tasks=tuple(args.tasks.split(",")), prompts=args.prompts,
+                             prompt_offset=args.prompt_offset,
                              max_tokens=args.max_tokens, num_speculative_tokens=args.k)
     command = "vllm-rsd " + shlex.join(sys.argv[1:])
     results = run_benchmark(model, runs, settings, args.run_name, command)
@@ -118,7 +119,7 @@ def bench_command(args: argparse.Namespace) -> None:
 
 
 def demo_command(args: argparse.Namespace) -> None:
-    """Model, stdlib datastore (both cached), then plain vs ngram vs REST on a few prompts."""
+    """Model, stdlib datastore (both cached), then plain vs ngram vs REST vs hybrid."""
     from vllm_retrieval_spec.assets import cache_dir
 
     start = time.perf_counter()
@@ -129,8 +130,9 @@ def demo_command(args: argparse.Namespace) -> None:
             model=model, sources=["@stdlib"], output=str(datastore), text_field="text",
             messages_field="messages", extensions=".py", batch_size=256, overwrite=False))
     bench_command(argparse.Namespace(
-        model=model, methods="plain,ngram,rest", k=8, datastore=[str(datastore)],
-        method_options=None, prompts=args.prompts, prompt_offset=0, max_tokens=args.max_tokens,
+        model=model, methods="plain,ngram,rest,hybrid", k=8, datastore=[str(datastore)],
+        method_options=None, tasks="code-gen", prompts=args.prompts, prompt_offset=0,
+        max_tokens=args.max_tokens,
         run_name="demo", output_dir=None))
     print(f"demo finished in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
@@ -184,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method-options",
                    help='extra options per method as JSON, e.g. {"rest": {"max_occurrences": 32}}')
     p.add_argument("-k", type=int, default=8, help="num_speculative_tokens")
-    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--tasks", default="code-gen",
+                   help="comma-separated: code-gen, summarize, code-edit, chat")
+    p.add_argument("--prompts", type=int, default=20, help="per task")
     p.add_argument("--prompt-offset", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--run-name", default="bench")

@@ -3,6 +3,7 @@
 vLLM calls ``register()`` in each process it starts (front-end, engine core, workers). It
 checks the vLLM version and the exact signatures of the private methods it wraps, then:
 
+- ``EngineArgs.create_engine_config``: turns prefix caching off for PLD+ (refused if asked for).
 - ``EngineArgs.create_speculative_config``: rewrites ``{"method": "rest", ...}`` into vLLM's
   ``custom_class`` method with our proposer class, validates our options once (including the
   datastore against the model's tokenizer) and moves them into ``additional_config``, which
@@ -49,6 +50,8 @@ _WRAPPED_SIGNATURES = {
         "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
         "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
         "common_attn_metadata", "slot_mappings"),
+    "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
+        "self", "usage_context", "headless"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__": ("self", "vllm_config", "device"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_eagle3_aux_layers_from_config": (
         "self",),
@@ -74,6 +77,8 @@ def register() -> None:
 
     EngineArgs.create_speculative_config = _with_retrieval_methods(
         EngineArgs.create_speculative_config)
+    EngineArgs.create_engine_config = _without_prefix_caching_for_pld_plus(
+        EngineArgs.create_engine_config)
     GPUModelRunner.__init__ = _with_aux_hidden_states(GPUModelRunner.__init__)
     GPUModelRunner._get_eagle3_aux_layers_from_config = _drafter_aux_layers_first(
         GPUModelRunner._get_eagle3_aux_layers_from_config)
@@ -112,8 +117,6 @@ def _with_retrieval_methods(create_speculative_config: Callable) -> Callable:
         if isinstance(options, dict) and options.get("method") in METHODS:
             config = parse_speculative_config(options)
             validate_against_model(config, target_model_config)
-            if isinstance(config, PldPlusConfig):
-                _without_prefix_caching(self)
             self.additional_config = {**(self.additional_config or {}),
                                       PLUGIN_KEY: config.to_dict()}
             self.speculative_config = {
@@ -126,9 +129,21 @@ def _with_retrieval_methods(create_speculative_config: Callable) -> Callable:
     return wrapper
 
 
-def _without_prefix_caching(engine_args: Any) -> None:
+def _without_prefix_caching_for_pld_plus(create_engine_config: Callable) -> Callable:
     """PLD+ needs every context position's hidden state; prefix-cached tokens are never
-    recomputed, so their states would be missing."""
+    recomputed, so their states would be missing. Decided before vLLM fills in its defaults,
+    so that only an explicit request for prefix caching is refused."""
+
+    def wrapper(self, *args, **kwargs):
+        options = self.speculative_config
+        if isinstance(options, dict) and options.get("method") == PldPlusConfig.method:
+            _refuse_prefix_caching(self)
+        return create_engine_config(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _refuse_prefix_caching(engine_args: Any) -> None:
     if engine_args.enable_prefix_caching:
         raise ConfigError(
             "method 'pld_plus' needs hidden states for every context token, and prefix-cached "
