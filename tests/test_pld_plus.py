@@ -119,3 +119,13 @@ def test_no_draft_without_complete_states():
     tokens = np.zeros((1, 64), dtype=np.int32)
     tokens[0, :6] = [4, 7, 4, 5, 9, 4]
     assert proposer.propose([[4]], np.array([6], np.int32), tokens) == [[]]
+
+
+def test_a_recording_failure_costs_drafts_not_the_engine():
+    proposer = make_proposer()
+    proposer.record_hidden_states(["a"], [one_hot([0, 1])], [(0, 0, 2)])
+    proposer.record_hidden_states(["a"], ["not a tensor"], [(2, 0, 1)])
+    assert proposer.num_failed_drafts == 1 and proposer.caches == {}
+    tokens = np.zeros((1, 64), dtype=np.int32)
+    tokens[0, :4] = [4, 7, 4, 4]
+    assert proposer.propose([[4]], np.array([4], np.int32), tokens) == [[]]

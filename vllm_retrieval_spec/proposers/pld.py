@@ -127,18 +127,26 @@ class PldPlusProposer(RetrievalProposer):
 
     def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],
                              segments: list[tuple[int, int, int]]) -> None:
-        """Store this step's accepted states; forget requests that left the batch."""
-        states = aux_hidden_states[0]
-        for req_id in self.caches.keys() - set(req_ids):
-            del self.caches[req_id]
-        for req_id, (position, offset, count) in zip(req_ids, segments):
-            cache = self.caches.get(req_id)
-            if cache is None:
-                cache = self.caches[req_id] = HiddenStateCache(self.hidden_size,
-                                                               self.max_model_len)
-            rows = states[offset:offset + count].float().cpu().numpy()
-            cache.write(position, unit_rows(rows))
+        """Store this step's accepted states; forget requests that left the batch.
+
+        A failure here must not reach the engine: the caches are dropped instead, so requests
+        get no draft until their states are complete again (a recompute from position 0).
+        """
         self.row_req_ids = req_ids
+        try:
+            states = aux_hidden_states[0]
+            for req_id in self.caches.keys() - set(req_ids):
+                del self.caches[req_id]
+            for req_id, (position, offset, count) in zip(req_ids, segments):
+                cache = self.caches.get(req_id)
+                if cache is None:
+                    cache = self.caches[req_id] = HiddenStateCache(self.hidden_size,
+                                                                   self.max_model_len)
+                rows = states[offset:offset + count].float().cpu().numpy()
+                cache.write(position, unit_rows(rows))
+        except Exception:
+            self._fail("could not record hidden states", exc_info=True)
+            self.caches.clear()
 
     def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
         cache = self.caches.get(self.row_req_ids[row]) if row < len(self.row_req_ids) else None
