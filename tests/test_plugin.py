@@ -11,7 +11,10 @@ vllm = pytest.importorskip("vllm")
 from vllm_retrieval_spec import plugin  # noqa: E402
 
 
-def test_accepts_the_installed_vllm():
+def test_accepts_the_installed_vllm_also_once_patched():
+    # vLLM calls register() in every process; the check must then still see vLLM's originals.
+    plugin.check_vllm_compatibility()
+    plugin.register()
     plugin.check_vllm_compatibility()
 
 

@@ -20,6 +20,7 @@ checks the vLLM version and the exact signatures of the private methods it wraps
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -112,6 +113,7 @@ def check_vllm_compatibility() -> None:
 
 
 def _with_retrieval_methods(create_speculative_config: Callable) -> Callable:
+    @functools.wraps(create_speculative_config)
     def wrapper(self, target_model_config, target_parallel_config):
         options = self.speculative_config
         if isinstance(options, dict) and options.get("method") in METHODS:
@@ -134,6 +136,7 @@ def _without_prefix_caching_for_pld_plus(create_engine_config: Callable) -> Call
     recomputed, so their states would be missing. Decided before vLLM fills in its defaults,
     so that only an explicit request for prefix caching is refused."""
 
+    @functools.wraps(create_engine_config)
     def wrapper(self, *args, **kwargs):
         options = self.speculative_config
         if isinstance(options, dict) and options.get("method") == PldPlusConfig.method:
@@ -184,6 +187,7 @@ def _drafter_aux_layers(runner: Any) -> tuple[int, ...] | None:
 
 
 def _with_aux_hidden_states(init: Callable) -> Callable:
+    @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
         # Read at every forward, so the model's output is unpacked as (states, aux states).
@@ -194,6 +198,7 @@ def _with_aux_hidden_states(init: Callable) -> Callable:
 
 
 def _drafter_aux_layers_first(get_aux_layers: Callable) -> Callable:
+    @functools.wraps(get_aux_layers)
     def wrapper(self):
         return _drafter_aux_layers(self) or get_aux_layers(self)
 
@@ -203,6 +208,7 @@ def _drafter_aux_layers_first(get_aux_layers: Callable) -> Callable:
 def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
     from vllm_retrieval_spec.metrics import DraftingTimer
 
+    @functools.wraps(propose_draft_token_ids)
     def wrapper(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                 sample_hidden_states, aux_hidden_states, *args, **kwargs):
         timer = self.__dict__.get("_rsd_drafting_timer")
