@@ -103,10 +103,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_openai_server_with_rest(model_dir, code_datastore, code_prompts, plain_outputs,
-                                 tokenizer):
+@pytest.mark.parametrize("method", ["rest", "pld_plus"])
+def test_openai_server(method, model_dir, code_datastore, code_prompts, plain_outputs, tokenizer):
     port = _free_port()
-    spec = {"method": "rest", "num_speculative_tokens": K, "datastore": code_datastore}
+    spec = {"method": method, "num_speculative_tokens": K}
+    if method == "rest":
+        spec["datastore"] = code_datastore
     server = subprocess.Popen(
         # The console script a user runs, from this environment.
         [str(Path(sys.executable).parent / "vllm-rsd"), "serve", model_dir,
