@@ -37,7 +37,7 @@ def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: 
     weights = [source_weights(len(context_cands), context_n, config.context_weight, False)]
     if context_n < config.skip_datastore_match_len:
         store_cands, store_lengths, store_n = datastore.lookup(
-            context[-config.max_match_len:], min_len=config.min_match_len,
+            context, min_len=config.min_match_len,
             max_len=config.max_match_len, max_occurrences=config.max_occurrences,
             continuation_len=max_len)
         candidates.append(store_cands)

@@ -40,5 +40,5 @@ class RestProposer(RetrievalProposer):
         self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
-        return rest_draft(self.datastore, context[-self.config.max_match_len:], max_len,
-                          self.config)
+        # lookup() itself reads only the last max_match_len tokens.
+        return rest_draft(self.datastore, context, max_len, self.config)
