@@ -27,6 +27,7 @@ setup(
         "pydivsufsort==0.0.20",
         "tqdm",
         "gguf",  # reads the GGUF model file shipped on PyPI (assets.model_path)
+        "scann==1.4.2",  # DReSD's approximate nearest-neighbour search (Linux x86-64 wheels)
     ],
     extras_require={"test": ["pytest"]},
     entry_points={

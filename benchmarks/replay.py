@@ -77,7 +77,8 @@ def load_records(path: str) -> list[dict[str, list[int]]]:
 
 def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
     """The same pure drafting function the method's proposer calls in vLLM, per request."""
-    from vllm_retrieval_spec.config import HybridConfig, PldConfig, PldPlusConfig, RestConfig
+    from vllm_retrieval_spec.config import (
+        DresdConfig, HybridConfig, PldConfig, PldPlusConfig, RestConfig)
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
     from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
     from vllm_retrieval_spec.proposers.pld import pld_draft, pld_plus_draft
@@ -94,6 +95,10 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
             raise ValueError("replaying pld_plus needs --model for the hidden states")
         states = _transformers_states(model)
         return lambda record: _with_states(states(record, config.layer), config, pld_plus_draft)
+    if isinstance(config, DresdConfig):
+        if model is None:
+            raise ValueError("replaying dresd needs --model for the hidden states")
+        return _dresd_factory(config, _transformers_states(model))
     raise ValueError(f"no replay for method {config.method!r}")
 
 
@@ -103,13 +108,36 @@ def _with_states(states: np.ndarray, config: Any, draft: Callable) -> DraftFn:
     return lambda context, n: draft(context, states[: len(context) - 1], n, config)
 
 
+def _dresd_factory(config: Any, states: TransformersStates) -> DraftFactory:
+    import torch
+
+    from vllm_retrieval_spec.datastore.dense import DenseIndex
+    from vllm_retrieval_spec.proposers.dresd import dresd_draft
+
+    index = DenseIndex.from_path(config.datastore, search=config.search, verify_checksums=False)
+
+    def make_draft(record: dict[str, list[int]]) -> DraftFn:
+        final = states(record, len(states.hidden_layers) - 1, unit=False)
+        queries = index.projection(torch.from_numpy(final))
+
+        def draft(context: np.ndarray, n: int) -> np.ndarray:
+            # The state of the second-to-last token produced the last one.
+            neighbours, scores = index.search(queries[len(context) - 2][None], config.top_n)
+            return dresd_draft(index, neighbours[0], scores[0], int(context[-1]), n, config)
+
+        return draft
+
+    return make_draft
+
+
 @functools.lru_cache(maxsize=1)
 def _transformers_states(model: str) -> TransformersStates:
     return TransformersStates(model)
 
 
 class TransformersStates:
-    """Unit-normalised hidden states of a recorded sequence at one layer (cached per record)."""
+    """Hidden states of a recorded sequence at one layer, optionally unit-normalised (cached per
+    record). Transformers' last entry is the final normed state, as vLLM's runner hands it."""
 
     def __init__(self, model: str) -> None:
         import torch
@@ -119,7 +147,12 @@ class TransformersStates:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         self.cache: dict[tuple[int, ...], Any] = {}
 
-    def __call__(self, record: dict[str, list[int]], layer: int) -> np.ndarray:
+    @property
+    def hidden_layers(self) -> range:
+        """Embeddings (0) up to the final, normed state (the model's depth)."""
+        return range(self.model.config.num_hidden_layers + 1)
+
+    def __call__(self, record: dict[str, list[int]], layer: int, unit: bool = True) -> np.ndarray:
         from vllm_retrieval_spec.proposers.hidden_states import unit_rows
 
         sequence = tuple(record["prompt"] + record["output"])
@@ -127,7 +160,8 @@ class TransformersStates:
             with self.torch.no_grad():
                 out = self.model(self.torch.tensor([sequence]), output_hidden_states=True)
             self.cache[sequence] = [h[0].numpy() for h in out.hidden_states]
-        return unit_rows(self.cache[sequence][layer])
+        states = self.cache[sequence][layer]
+        return unit_rows(states) if unit else states
 
 
 def main(argv: list[str] | None = None) -> None:

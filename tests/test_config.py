@@ -42,5 +42,5 @@ def test_bad_values_are_named(change, message):
 def test_missing_k_and_unknown_method():
     with pytest.raises(ConfigError, match=r"'num_speculative_tokens'\] is required"):
         parse_speculative_config({"method": "rest", "datastore": "d"})
-    with pytest.raises(ConfigError, match=r"'method'\]='resst' is not a retrieval method; choose one of \['hybrid', 'pld', 'pld_plus', 'rest'\]"):
+    with pytest.raises(ConfigError, match=r"'method'\]='resst' is not a retrieval method; choose one of \['dresd', 'hybrid', 'pld', 'pld_plus', 'rest'\]"):
         parse_speculative_config({**GOOD, "method": "resst"})

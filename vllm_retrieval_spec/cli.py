@@ -46,21 +46,37 @@ def expand_sources(sources: list[str]) -> list[str]:
 
 
 def build_datastore_command(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
-    from vllm_retrieval_spec.datastore.build import build_datastore
-
+    """Sources -> a new datastore; ``--dense`` adds DReSD's index (to an existing datastore
+    when no sources are given)."""
     model = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    build_datastore(
-        expand_sources(args.sources), args.output, tokenizer,
-        tokenizer_name=Path(model).name,
-        text_field=args.text_field,
-        messages_field=args.messages_field,
-        extensions=tuple(args.extensions.split(",")),
-        batch_size=args.batch_size,
-        overwrite=args.overwrite,
-    )
+    if args.sources:
+        from transformers import AutoTokenizer
+
+        from vllm_retrieval_spec.datastore.build import build_datastore
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        build_datastore(
+            expand_sources(args.sources), args.output, tokenizer,
+            tokenizer_name=Path(model).name,
+            text_field=args.text_field,
+            messages_field=args.messages_field,
+            extensions=tuple(args.extensions.split(",")),
+            batch_size=args.batch_size,
+            overwrite=args.overwrite,
+        )
+    elif not args.dense:
+        raise SystemExit("error: give sources to build a datastore from, or --dense to add a "
+                         "dense index to the existing datastore at --output")
+    if args.dense:
+        from vllm_retrieval_spec.datastore.build import build_dense_index
+
+        manifest = build_dense_index(
+            args.output, model, dims=args.pca_dims, fit_samples=args.dense_fit_samples,
+            dtype=args.dtype, window=args.dense_window, scann=args.dense_index == "scann",
+            overwrite=args.overwrite or bool(args.sources))
+        print(f"dense index {args.output}/dense: {manifest.num_keys:,} keys, "
+              f"{manifest.dims} dims keep {manifest.explained_variance:.1%} of the variance, "
+              f"search: {'ScaNN or exact' if manifest.scann else 'exact'}", file=sys.stderr)
 
 
 def generate_corpus_command(args: argparse.Namespace) -> None:
@@ -109,7 +125,8 @@ def bench_command(args: argparse.Namespace) -> None:
                        json.loads(args.method_options) if args.method_options else None)
     settings = BenchSettings(tasks=tuple(args.tasks.split(",")), prompts=args.prompts,
                              prompt_offset=args.prompt_offset,
-                             max_tokens=args.max_tokens, num_speculative_tokens=args.k)
+                             max_tokens=args.max_tokens, num_speculative_tokens=args.k,
+                             concurrency=args.concurrency)
     command = "vllm-rsd " + shlex.join(sys.argv[1:])
     results = run_benchmark(model, runs, settings, args.run_name, command)
     print(format_table(results["rows"]))
@@ -132,7 +149,7 @@ def demo_command(args: argparse.Namespace) -> None:
     bench_command(argparse.Namespace(
         model=model, methods="plain,ngram,rest,hybrid", k=8, datastore=[str(datastore)],
         method_options=None, tasks="code-gen", prompts=args.prompts, prompt_offset=0,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens, concurrency=1,
         run_name="demo", output_dir=None))
     print(f"demo finished in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
@@ -144,10 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-model", help="fetch and convert a model offline; print its folder")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
 
-    p = sub.add_parser("build-datastore", help="tokenise a corpus and index it for REST")
-    p.add_argument("sources", nargs="+",
+    p = sub.add_parser("build-datastore",
+                       help="tokenise a corpus and index it for REST (and, with --dense, DReSD)")
+    p.add_argument("sources", nargs="*",
                    help="jsonl files, text files, directories of source files, or "
-                        + ", ".join(f"{k} ({v})" for k, v in SOURCE_ALIASES.items()))
+                        + ", ".join(f"{k} ({v})" for k, v in SOURCE_ALIASES.items())
+                        + "; none with --dense: index the existing datastore at --output")
     p.add_argument("-o", "--output", required=True, help="datastore directory to create")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder or name (its tokenizer)")
     p.add_argument("--text-field", default="text", help="jsonl field holding plain text")
@@ -157,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated file suffixes read from directories")
     p.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer call")
     p.add_argument("--overwrite", action="store_true", help="replace an existing datastore")
+    p.add_argument("--dense", action="store_true",
+                   help="also build DReSD's dense index from the model's final hidden states "
+                        "(runs the model over every token: ~300 tokens/s on 2 CPU cores)")
+    p.add_argument("--pca-dims", type=int, default=64, help="dense key dimensions")
+    p.add_argument("--dense-fit-samples", type=int, default=1_000_000,
+                   help="hidden states sampled to fit the z-score statistics and PCA")
+    p.add_argument("--dense-window", type=int, default=1024,
+                   help="tokens per forward window (longer documents are cut, with overlap)")
+    p.add_argument("--dense-index", choices=("scann", "exact"), default="scann",
+                   help="also build a ScaNN searcher, or keep exact search only")
+    p.add_argument("--dtype", default="float32",
+                   help="forward dtype; must be the dtype that serves (recorded and checked)")
 
     p = sub.add_parser("generate-corpus",
                        help="the model's own answers to task prompts, as a chat jsonl corpus")
@@ -180,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="throughput of plain, ngram and retrieval methods")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--methods", default="plain,ngram,rest",
-                   help="comma-separated: plain, ngram, pld, rest[:NAME], hybrid[:NAME]")
+                   help="comma-separated: plain, ngram, pld, pld_plus, rest[:NAME], "
+                        "hybrid[:NAME], dresd[:NAME]")
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",
@@ -191,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=20, help="per task")
     p.add_argument("--prompt-offset", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests submitted together (default: one at a time)")
     p.add_argument("--run-name", default="bench")
     p.add_argument("--output-dir", default="benchmarks/results",
                    help="where <run-name>.json/.md go ('' to write nothing)")
@@ -202,10 +236,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from vllm_retrieval_spec.datastore.format import DatastoreError
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        run_command(args, extra)
+    except DatastoreError as e:
+        # Bad input, not a bug: the message says what to do, a traceback would bury it.
+        raise SystemExit(f"error: {e}") from None
+
+
+def run_command(args: argparse.Namespace, extra: list[str]) -> None:
     if args.command == "fetch-model":
         print(resolve_model(args.model))
     elif args.command == "build-datastore":

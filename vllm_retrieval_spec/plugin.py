@@ -14,7 +14,8 @@ checks the vLLM version and the exact signatures of the private methods it wraps
 - ``GPUModelRunner.propose_draft_token_ids`` (also the CPU runner's): times every drafting step,
   for every method including vLLM's own, so benchmarks compare like with like; before drafting,
   hands a drafter that wants them this step's auxiliary hidden states with request ids and
-  positions (``record_hidden_states``).
+  positions (``record_hidden_states``, PLD+) or each request's last final hidden state
+  (``record_last_hidden_states``, DReSD).
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
 """
 
@@ -32,6 +33,7 @@ from vllm_retrieval_spec.config import (
     METHODS,
     PLUGIN_KEY,
     ConfigError,
+    DresdConfig,
     MethodConfig,
     PldPlusConfig,
     parse_speculative_config,
@@ -178,6 +180,15 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
         revision=model_config.tokenizer_revision,
         trust_remote_code=model_config.trust_remote_code,
     )
+    if isinstance(config, DresdConfig):
+        from vllm_retrieval_spec.datastore.dense import check_dense_index, model_fingerprint
+
+        check_dense_index(
+            datastore, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            hidden_size=model_config.get_hidden_size(),
+            expected_model_fingerprint=model_fingerprint(model_config.model),
+            verify_checksums=config.verify_checksums)
+        return
     load_datastore(datastore, expected_fingerprint=tokenizer_fingerprint(tokenizer),
                    verify_checksums=config.verify_checksums)
 
@@ -210,7 +221,7 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
 
     @functools.wraps(propose_draft_token_ids)
     def wrapper(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                sample_hidden_states, aux_hidden_states, *args, **kwargs):
+                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
         timer = self.__dict__.get("_rsd_drafting_timer")
         if timer is None:
             timer = self._rsd_drafting_timer = DraftingTimer()
@@ -219,13 +230,31 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
             self.drafter.record_hidden_states(
                 list(self.input_batch.req_ids), aux_hidden_states,
                 _accepted_state_segments(self, scheduler_output, sampled_token_ids))
+        record_last = getattr(self.__dict__.get("drafter"), "record_last_hidden_states", None)
+        if record_last is not None:
+            record_last(sample_hidden_states,
+                        _last_state_rows(sampled_token_ids, spec_decode_metadata))
         drafts = propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                          sampling_metadata, hidden_states, sample_hidden_states,
-                                         aux_hidden_states, *args, **kwargs)
+                                         aux_hidden_states, spec_decode_metadata, *args, **kwargs)
         timer.record(time.perf_counter_ns() - start)
         return drafts
 
     return wrapper
+
+
+def _last_state_rows(sampled_token_ids: list[list[int]],
+                     spec_decode_metadata: Any) -> list[int]:
+    """Row of ``sample_hidden_states`` holding the state that produced each batch row's last
+    sampled token (-1 where nothing was sampled): one row per request without drafts, else
+    ``num_draft_tokens + 1`` rows per request, of which the accepted ones come first."""
+    rows = []
+    start = 0
+    for i, sampled in enumerate(sampled_token_ids):
+        rows.append(start + len(sampled) - 1 if sampled else -1)
+        drafted = spec_decode_metadata.num_draft_tokens[i] if spec_decode_metadata else 0
+        start += drafted + 1
+    return rows
 
 
 def _accepted_state_segments(runner: Any, scheduler_output: Any,
@@ -255,4 +284,5 @@ def _drafting_stats(worker: Any, reset: bool = False) -> dict[str, float | int]:
 
     runner = worker.model_runner
     timer = runner.__dict__.get("_rsd_drafting_timer") or DraftingTimer(capacity=1)
-    return timer.summary(reset=reset)
+    drafter_stats = getattr(runner.__dict__.get("drafter"), "stats", None)
+    return {**timer.summary(reset=reset), **(drafter_stats() if drafter_stats else {})}

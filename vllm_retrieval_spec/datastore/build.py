@@ -173,3 +173,121 @@ def _build(
         file=sys.stderr,
     )
     return manifest
+
+
+def build_dense_index(
+    datastore_path: str | Path,
+    model: str | Path,
+    *,
+    dims: int = 64,
+    fit_samples: int = 1_000_000,
+    dtype: str = "float32",
+    window: int = 1024,
+    overlap: int = 256,
+    scann: bool = True,
+    overwrite: bool = False,
+    progress: bool | None = True,
+) -> Any:
+    """Add DReSD's dense index to an existing datastore (``vllm-rsd build-datastore --dense``).
+
+    vLLM itself runs the forward passes (a pooling engine that returns every token's final
+    hidden state), so build and serve share kernels and numerics. Documents longer than
+    ``window`` tokens are cut into windows that overlap by ``overlap`` tokens; each window
+    contributes only the states of its new tokens, which see at least ``overlap`` tokens of
+    context. The raw states go to a temporary float32 file next to the datastore (4 x hidden
+    size bytes per token) and are deleted afterwards.
+    """
+    from vllm_retrieval_spec.datastore.dense import (
+        DENSE_DIR, MANIFEST_FILE, check_pca_dims, model_config_json, model_fingerprint,
+        write_dense_index)
+    from vllm_retrieval_spec.datastore.format import load_datastore
+
+    # Everything that can be wrong is checked before minutes of forward passes.
+    if not 0 <= overlap < window:
+        raise DatastoreError(f"overlap {overlap} must be in [0, window={window})")
+    check_pca_dims(dims, model_config_json(Path(model))["hidden_size"])
+    datastore = load_datastore(datastore_path)
+    if (Path(datastore_path) / DENSE_DIR / MANIFEST_FILE).exists() and not overwrite:
+        raise DatastoreError(
+            f"{Path(datastore_path) / DENSE_DIR} already holds a dense index; pass --overwrite to "
+            f"replace it")
+    fingerprint = model_fingerprint(model)
+    windows, positions = _dense_windows(np.asarray(datastore.tokens), window, overlap)
+    if not len(positions):
+        raise DatastoreError(f"{datastore_path} has no document of 2 or more tokens to index")
+    llm = _hidden_state_engine(model, dtype, window)
+    hidden_size = llm.llm_engine.model_config.get_hidden_size()
+    depth = llm.llm_engine.model_config.hf_text_config.num_hidden_layers
+    states_file = Path(datastore_path) / f"{DENSE_DIR}.states-{os.getpid()}.npy"
+    try:
+        states = np.lib.format.open_memmap(states_file, mode="w+", dtype=np.float32,
+                                           shape=(len(positions), hidden_size))
+        _write_hidden_states(llm, np.asarray(datastore.tokens), windows, states, progress)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        return write_dense_index(
+            datastore, states, positions, model_name=Path(model).name,
+            model_fingerprint=fingerprint, layer=depth, dtype=dtype, dims=dims,
+            fit_samples=fit_samples, scann=scann, overwrite=overwrite, progress=progress)
+    finally:
+        states_file.unlink(missing_ok=True)
+
+
+def _dense_windows(tokens: np.ndarray, window: int,
+                   overlap: int) -> tuple[list[tuple[int, int, int, int]], np.ndarray]:
+    """Forward windows (first, stop, keep from, keep to) over every document, and the positions
+    that get keys, in the order the windows produce them: every token that has a next token in
+    its document (its state predicted that token)."""
+    from vllm_retrieval_spec.datastore.format import SEPARATOR
+
+    ends = np.flatnonzero(tokens == SEPARATOR)
+    windows: list[tuple[int, int, int, int]] = []
+    keyed: list[np.ndarray] = []
+    start = 0
+    for end in ends.tolist():
+        # Keys for [start, end - 1): the last token of a document predicts nothing.
+        kept = start
+        while kept < end - 1:
+            first = max(start, kept - overlap)
+            stop = min(end, first + window)
+            windows.append((first, stop, kept, min(stop, end - 1)))
+            keyed.append(np.arange(kept, min(stop, end - 1), dtype=np.int64))
+            kept = stop
+        start = end + 1
+    positions = np.concatenate(keyed) if keyed else np.empty(0, dtype=np.int64)
+    return windows, positions
+
+
+def _hidden_state_engine(model: str | Path, dtype: str, window: int) -> Any:
+    from vllm import LLM
+    from vllm.config import PoolerConfig
+
+    return LLM(
+        str(model), runner="pooling", convert="embed", dtype=dtype, enforce_eager=True,
+        max_model_len=window, enable_prefix_caching=False,
+        # "ALL" pooling without activation hands back the final (normed) hidden state of every
+        # prompt token: the states the generating runner gives the drafter.
+        pooler_config=PoolerConfig(pooling_type="ALL", use_activation=False, task="token_embed"),
+    )
+
+
+def _write_hidden_states(llm: Any, tokens: np.ndarray, windows: list[tuple[int, int, int, int]],
+                         states: np.ndarray, progress: bool | None) -> None:
+    from tqdm import tqdm
+
+    disable = progress is False or (progress is None and not sys.stderr.isatty())
+    row = 0
+    batch = 64
+    with tqdm(total=len(states), desc="hidden states", unit="tok", disable=disable) as bar:
+        for i in range(0, len(windows), batch):
+            group = windows[i:i + batch]
+            prompts = [{"prompt_token_ids": tokens[first:stop].tolist()}
+                       for first, stop, _, _ in group]
+            outputs = llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
+            for (first, _, keep_from, keep_to), output in zip(group, outputs):
+                data = output.outputs.data[keep_from - first:keep_to - first].float().numpy()
+                states[row:row + len(data)] = data
+                row += len(data)
+            bar.update(row - bar.n)
+    if row != len(states):
+        raise RuntimeError(f"wrote {row} hidden states, expected {len(states)}")

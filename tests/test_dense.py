@@ -1,0 +1,258 @@
+"""DReSD's dense index and drafting rule, without vLLM: synthetic states with real structure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_retrieval_spec.config import ConfigError, parse_speculative_config
+from vllm_retrieval_spec.datastore import DatastoreError, build_datastore_from_token_ids
+from vllm_retrieval_spec.datastore.build import _dense_windows
+from vllm_retrieval_spec.datastore.dense import (
+    DENSE_DIR,
+    KEYS_FILE,
+    DenseIndex,
+    fit_projection,
+    write_dense_index,
+)
+from vllm_retrieval_spec.datastore.format import load_datastore
+from vllm_retrieval_spec.plugin import _last_state_rows
+from vllm_retrieval_spec.proposers.dresd import dresd_draft, matching_continuations
+
+HIDDEN = 48
+FINGERPRINT = "f" * 64
+
+
+def clustered_states(n: int, hidden: int = HIDDEN, clusters: int = 64, seed: int = 0):
+    """Points around cluster centres with per-dimension scales (what z-scoring is for); i.i.d.
+    random vectors have no neighbours and tell nothing about an ANN index."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(clusters, hidden)) * 3
+    labels = rng.integers(0, clusters, n)
+    scales = rng.uniform(0.1, 10, hidden)
+    states = (centres[labels] + rng.normal(size=(n, hidden))) * scales + rng.normal(size=hidden)
+    return states.astype(np.float32), labels
+
+
+def make_store(tmp_path: Path, documents, name="store") -> Path:
+    path = tmp_path / name
+    build_datastore_from_token_ids(documents, path, tokenizer_name="t",
+                                   tokenizer_fingerprint="0" * 64, vocab_size=1000,
+                                   progress=False)
+    return path
+
+
+def index_store(path: Path, states: np.ndarray, positions: np.ndarray, **kwargs):
+    options = dict(model_name="m", model_fingerprint=FINGERPRINT, layer=30, dtype="float32",
+                   dims=16, progress=False)
+    return write_dense_index(load_datastore(path), states, positions, **{**options, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def clustered_store(tmp_path_factory):
+    """8192 tokens in one document; the state at position p is clustered by label."""
+    tmp_path = tmp_path_factory.mktemp("dense")
+    n = 8192
+    states, labels = clustered_states(n + 1)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:n], np.arange(n))
+    return path, states[:n]
+
+
+def test_fit_projection_is_pca_of_zscored_states():
+    states, _ = clustered_states(4000)
+    projection = fit_projection(torch.from_numpy(states), 8)
+    components = projection.components
+    np.testing.assert_allclose(components.T @ components, np.eye(8), atol=1e-5)
+    z = (states - projection.mean) * projection.inv_std
+    np.testing.assert_allclose(z.mean(0), 0, atol=1e-4)
+    np.testing.assert_allclose(z.std(0, ddof=1), 1, atol=1e-3)
+    # The first component carries the most variance of any direction tried.
+    first = np.var(z @ components[:, 0])
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        v = rng.normal(size=HIDDEN)
+        assert np.var(z @ (v / np.linalg.norm(v))) <= first + 1e-3
+    assert 0 < projection.explained_variance < 1
+    assert fit_projection(torch.from_numpy(states), HIDDEN).explained_variance == \
+        pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("dims", [0, HIDDEN + 1])
+def test_pca_dims_out_of_range(dims):
+    states, _ = clustered_states(100)
+    with pytest.raises(DatastoreError, match=rf"PCA dims {dims} is out of range: must be in "
+                                             rf"\[1, {HIDDEN}\]"):
+        fit_projection(torch.from_numpy(states), dims)
+
+
+def test_exact_self_retrieval(clustered_store):
+    path, states = clustered_store
+    index = DenseIndex.from_path(path, search="exact")
+    rows = np.random.default_rng(2).choice(len(states), 500, replace=False)
+    neighbours, scores = index.search(index.projection(torch.from_numpy(states[rows])), 10)
+    ranks = [list(n).index(r) + 1 if r in n else np.inf for n, r in zip(neighbours, rows)]
+    mrr = float(np.mean(1 / np.asarray(ranks)))
+    assert mrr > 0.99
+    assert np.all(np.diff(scores, axis=1) <= 1e-6)  # best first
+    assert np.all(scores[:, 0] > 0.99)  # a key against its own query: cosine ~1 (float16 keys)
+
+
+def test_scann_recall_against_exact(clustered_store):
+    path, states = clustered_store
+    exact = DenseIndex.from_path(path, search="exact")
+    scann = DenseIndex.from_path(path, search="scann")
+    assert scann.search_backend == "scann"
+    queries = exact.projection(torch.from_numpy(states[:300] + 0.5))
+    truth, _ = exact.search(queries, 10)
+    found, _ = scann.search(queries, 10)
+    recall = np.mean([len(set(t) & set(f)) / 10 for t, f in zip(truth, found)])
+    assert recall > 0.9
+
+
+def test_manifest_records_the_build(clustered_store):
+    path, states = clustered_store
+    manifest = json.loads((path / DENSE_DIR / "manifest.json").read_text())
+    assert manifest["hidden_size"] == HIDDEN and manifest["dims"] == 16
+    assert manifest["num_keys"] == len(states) and manifest["layer"] == 30
+    assert manifest["dtype"] == "float32" and 0 < manifest["explained_variance"] < 1
+    assert manifest["scann"] is not None
+    keys = np.load(path / DENSE_DIR / KEYS_FILE, mmap_mode="r")
+    assert keys.dtype == np.float16 and keys.shape == (len(states), 16)
+    # Each key is a position (8 bytes) plus its float16 vector: no copies of continuations.
+    assert manifest["files"]["positions.npy"]["bytes"] - 128 == 8 * len(states)
+
+
+def test_wrong_hidden_size_fails(clustered_store):
+    path, _ = clustered_store
+    with pytest.raises(DatastoreError, match=f"hidden size {HIDDEN} .* has hidden size 576"):
+        DenseIndex.from_path(path, hidden_size=576)
+
+
+def test_other_model_fails(clustered_store):
+    path, _ = clustered_store
+    with pytest.raises(DatastoreError, match="was built from another model"):
+        DenseIndex.from_path(path, expected_model_fingerprint="0" * 64)
+
+
+def test_missing_dense_index(tmp_path):
+    path = make_store(tmp_path, [[1, 2, 3]])
+    with pytest.raises(DatastoreError, match="has no dense index .* method 'dresd' needs; "
+                                             "rebuild it with `vllm-rsd build-datastore --dense`"):
+        DenseIndex.from_path(path)
+
+
+def test_small_store_has_no_scann_searcher(tmp_path):
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    assert DenseIndex.from_path(path).search_backend == "exact"
+    with pytest.raises(DatastoreError, match="has no ScaNN searcher"):
+        DenseIndex.from_path(path, search="scann")
+
+
+def test_rebuilt_token_stream_invalidates_the_index(tmp_path):
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    rebuilt = make_store(tmp_path, [labels[::-1].tolist()], name="other")
+    (path / "tokens.npy").write_bytes((rebuilt / "tokens.npy").read_bytes())
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["tokens.npy"] = json.loads(
+        (rebuilt / "manifest.json").read_text())["files"]["tokens.npy"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatastoreError, match="built for another token stream"):
+        DenseIndex.from_path(path)
+
+
+def test_truncated_keys_fail(tmp_path):
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    keys = path / DENSE_DIR / KEYS_FILE
+    keys.write_bytes(keys.read_bytes()[:-2])
+    with pytest.raises(DatastoreError, match="keys.npy has .* bytes, the manifest records"):
+        DenseIndex.from_path(path)
+
+
+def test_existing_index_needs_overwrite(tmp_path):
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    with pytest.raises(DatastoreError, match="already holds a dense index"):
+        index_store(path, states[:99], np.arange(99))
+    index_store(path, states[:99], np.arange(99), overwrite=True, dims=8)
+    assert DenseIndex.from_path(path).manifest.dims == 8
+    assert sorted(p.name for p in path.iterdir()) == [
+        DENSE_DIR, "manifest.json", "suffix_array.npy", "tokens.npy"]
+
+
+def test_dense_windows_key_every_predicting_token():
+    tokens = np.array([1, 2, 3, 4, 5, 6, 7, -1, 9, -1, 5, 6, -1], dtype=np.int32)
+    windows, positions = _dense_windows(tokens, window=4, overlap=2)
+    # The last token of each document predicts nothing; a one-token document gives no key.
+    assert positions.tolist() == [0, 1, 2, 3, 4, 5, 10]
+    assert windows == [(0, 4, 0, 4), (2, 6, 4, 6), (10, 12, 10, 11)]
+    for first, stop, keep_from, keep_to in windows:
+        assert stop - first <= 4 and first <= keep_from <= keep_to <= stop
+        assert -1 not in tokens[first:stop]
+        # A later window repeats up to `overlap` tokens of context before what it keeps.
+        assert keep_from - first <= 2
+
+
+def test_matching_continuations_filter_by_emitted_token():
+    #                0  1  2  3   4  5  6  7  8   9
+    tokens = np.array([5, 7, 8, 9, -1, 5, 7, 3, 5, 6], dtype=np.int32)
+    positions = np.array([0, 5, 8, 2], dtype=np.int64)
+    neighbours = np.array([0, 3, 1, 2, -1], dtype=np.int64)
+    scores = np.array([0.9, 0.8, 0.7, -0.5, 0.0], dtype=np.float32)
+    cands, lengths, weights = matching_continuations(tokens, positions, neighbours, scores, 7, 4)
+    # Key 0 (position 0) and key 1 (position 5) predicted 7; key 3 (position 2) predicted 9.
+    assert lengths.tolist() == [2, 3]
+    assert cands.tolist() == [[8, 9, -1, -1], [3, 5, 6, -1]]
+    np.testing.assert_allclose(weights, [0.9, 0.7])
+    cands, lengths, weights = matching_continuations(tokens, positions, neighbours, scores, 6, 4)
+    assert len(cands) == 1 and lengths[0] == 0 and weights[0] == 0  # end of stream; score < 0
+
+
+def test_dresd_draft_votes_by_similarity(tmp_path):
+    documents = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7]]
+    path = make_store(tmp_path, documents)
+    states = np.eye(12, HIDDEN, dtype=np.float32)  # keys never searched here
+    index_store(path, states, np.arange(12), dims=4)
+    index = DenseIndex.from_path(path)
+    config = parse_speculative_config({"method": "dresd", "num_speculative_tokens": 3,
+                                       "datastore": str(path), "min_prefix_prob": 0.0})
+    # Keys at positions 0 (doc 1), 5 (doc 2), 10 (doc 3) all predicted token 2.
+    neighbours = np.array([0, 5, 10], dtype=np.int64)
+    draft = dresd_draft(index, neighbours, np.array([0.5, 0.5, 0.9], dtype=np.float32), 2, 3,
+                        config)
+    assert draft.tolist() == [3, 4]  # 3 has 1.0 of the vote against 6's 0.9
+    draft = dresd_draft(index, neighbours, np.array([0.3, 0.3, 0.9], dtype=np.float32), 2, 3,
+                        config)
+    assert draft.tolist() == [6, 7]
+    assert dresd_draft(index, neighbours, np.ones(3, dtype=np.float32), 9, 3, config).size == 0
+
+
+def test_last_state_rows():
+    class Metadata:
+        num_draft_tokens = [3, 0, 2, 4]
+
+    # Row blocks: 4, 1, 3, 5 rows; accepted counts 2, 1, 0 (partial prefill), 5.
+    sampled = [[1, 2], [3], [], [4, 5, 6, 7, 8]]
+    assert _last_state_rows(sampled, Metadata()) == [1, 4, -1, 12]
+    assert _last_state_rows([[1], [2]], None) == [0, 1]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({}, r"'datastore'\] is required for method 'dresd'"),
+    ({"datastore": "x", "search": "faiss"}, r"'search'\]='faiss' is not one of"),
+    ({"datastore": "x", "top_n": 0}, r"'top_n'\]=0 is out of range"),
+])
+def test_dresd_config_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_speculative_config({"method": "dresd", "num_speculative_tokens": 4, **options})

@@ -1,0 +1,137 @@
+"""DReSD (arXiv 2502.15572): drafts from a dense datastore searched with the last hidden state.
+
+A key is the projected final hidden state at some corpus position p; that state predicted
+token p + 1. The query is the state that predicted the token just emitted, so a neighbour
+agrees with the request only if its stored next token is that token (DReSD's filter); the tokens
+after it are the neighbour's draft. The kept neighbours' continuations are voted in a trie,
+weighted by similarity, and the best-supported chain is drafted with an adaptive length.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numba
+import numpy as np
+
+from vllm_retrieval_spec.config import DresdConfig
+from vllm_retrieval_spec.datastore.dense import DenseIndex
+from vllm_retrieval_spec.datastore.format import SEPARATOR
+from vllm_retrieval_spec.drafting.tree import best_chain
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+
+@numba.njit(cache=True)
+def matching_continuations(tokens: np.ndarray, positions: np.ndarray, neighbours: np.ndarray,
+                           scores: np.ndarray, emitted: int,
+                           continuation_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Continuations of the neighbours whose stored next token is ``emitted``.
+
+    ``neighbours`` index ``positions`` (-1 = no hit); a continuation starts two tokens after the
+    key's position and stops at SEPARATOR. Returns (cands int32 [m, continuation_len] padded
+    with -1, lengths int32 [m], weights float64 [m]: similarity, floored at 0).
+    """
+    m = neighbours.shape[0]
+    cands = np.full((m, continuation_len), SEPARATOR, dtype=np.int32)
+    lengths = np.zeros(m, dtype=np.int32)
+    weights = np.zeros(m, dtype=np.float64)
+    size = tokens.shape[0]
+    kept = 0
+    for i in range(m):
+        if neighbours[i] < 0:
+            continue
+        pos = positions[neighbours[i]] + 1
+        if pos >= size or tokens[pos] != emitted:
+            continue
+        k = 0
+        while k < continuation_len and pos + 1 + k < size:
+            t = tokens[pos + 1 + k]
+            if t == SEPARATOR:
+                break
+            cands[kept, k] = t
+            k += 1
+        lengths[kept] = k
+        weights[kept] = max(scores[i], 0.0)
+        kept += 1
+    return cands[:kept], lengths[:kept], weights[:kept]
+
+
+def dresd_draft(index: DenseIndex, neighbours: np.ndarray, scores: np.ndarray, emitted: int,
+                max_len: int, config: DresdConfig) -> np.ndarray:
+    """The best chain of the neighbours' continuations after the ``emitted`` filter."""
+    cands, lengths, weights = matching_continuations(
+        index.tokens, index.positions, neighbours, scores, emitted, max_len)
+    return best_chain(cands, lengths, weights, max_len, config.min_prefix_prob,
+                      config.prior_weight)
+
+
+class DresdProposer(RetrievalProposer):
+    """Projects the batch's last hidden states (``record_last_hidden_states``, called by the
+    plugin each step before ``propose``), searches them, and drafts per request.
+
+    With more than one request the searches run in a thread pool while earlier rows are voted;
+    ``search_ns`` (time spent searching) against ``search_wait_ns`` (time drafting waited for a
+    search) says how much of the search time was hidden.
+    """
+
+    config: DresdConfig
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+        # The front-end already checked the model, checksums and tokenizer.
+        self.index = DenseIndex.from_path(
+            self.config.datastore, hidden_size=vllm_config.model_config.get_hidden_size(),
+            search=self.config.search, verify_checksums=False)
+        self.pool = ThreadPoolExecutor(self.config.search_threads,
+                                       thread_name_prefix="dresd-search")
+        self.row_results: list[Future | tuple[np.ndarray, np.ndarray, int] | None] = []
+        self.search_ns = 0
+        self.search_wait_ns = 0
+        # Compile the numba functions now rather than inside the first decoding step.
+        dresd_draft(self.index, np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32), 0,
+                    self.k, self.config)
+
+    def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
+        """``states[rows[i]]`` is the final hidden state that produced batch row i's last
+        sampled token (row -1: nothing was sampled). Projects them and starts the searches."""
+        valid = [i for i, row in enumerate(rows) if row >= 0]
+        self.row_results = [None] * len(rows)
+        if not valid:
+            return
+        try:
+            queries = self.index.projection(states[[rows[i] for i in valid]])
+        except Exception:
+            # No query, no draft: the engine goes on.
+            self._fail("could not project hidden states", exc_info=True)
+            return
+        if len(valid) == 1:
+            self.row_results[valid[0]] = self._search(queries)
+            return
+        for j, i in enumerate(valid):
+            self.row_results[i] = self.pool.submit(self._search, queries[j:j + 1])
+
+    def _search(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        start = time.perf_counter_ns()
+        neighbours, scores = self.index.search(query, self.config.top_n)
+        return neighbours[0], scores[0], time.perf_counter_ns() - start
+
+    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+        result = self.row_results[row] if row < len(self.row_results) else None
+        if result is None:
+            return np.empty(0, dtype=np.int32)
+        if isinstance(result, Future):
+            start = time.perf_counter_ns()
+            result = result.result()
+            self.search_wait_ns += time.perf_counter_ns() - start
+        else:
+            # Searched inline: all of it was waited for.
+            self.search_wait_ns += result[2]
+        neighbours, scores, elapsed = result
+        self.search_ns += elapsed
+        return dresd_draft(self.index, neighbours, scores, int(context[-1]), max_len,
+                           self.config)
+
+    def stats(self) -> dict[str, int]:
+        return {"search_ns": self.search_ns, "search_wait_ns": self.search_wait_ns}
