@@ -50,6 +50,30 @@ def code_datastore(model_dir, tokenizer, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def dense_datastore(model_dir, tokenizer, code_prompts, plain_outputs, tmp_path_factory) -> str:
+    """DReSD's datastore, built as a user would (`vllm-rsd build-datastore ... --dense`): the
+    model's own answers to the first half of the test prompts (in-distribution, DReSD's best
+    case) and the json package (text the model has not produced), about 12 k tokens."""
+    import json
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    directory = tmp_path_factory.mktemp("dense")
+    corpus = directory / "answers.jsonl"
+    half = len(code_prompts) // 2
+    corpus.write_text("".join(
+        json.dumps({"text": tokenizer.decode(prompt + output)}) + "\n"
+        for prompt, output in zip(code_prompts[:half], plain_outputs[:half])))
+    output = directory / "answers-and-json"
+    subprocess.run([sys.executable, "-m", "vllm_retrieval_spec.cli", "build-datastore",
+                    str(corpus), str(Path(sysconfig.get_paths()["stdlib"]) / "json"),
+                    "-o", str(output), "--model", model_dir, "--dense"], check=True)
+    return str(output)
+
+
+@pytest.fixture(scope="session")
 def code_prompts(tokenizer) -> list[list[int]]:
     from vllm_retrieval_spec.benchmarks.tasks import task_prompts
 

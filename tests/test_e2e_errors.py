@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -86,3 +89,56 @@ def test_pld_plus_layer_beyond_the_model(model_dir):
                                           r"has 30 layers"):
         LLM(model=model_dir, enforce_eager=True, max_model_len=2048,
             speculative_config={"method": "pld_plus", "num_speculative_tokens": 8, "layer": 31})
+
+
+def start_dresd(model_dir, datastore):
+    from vllm import LLM
+
+    return LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=2048,
+               speculative_config={"method": "dresd", "num_speculative_tokens": 8,
+                                   "datastore": str(datastore)})
+
+
+def test_dresd_without_dense_index(model_dir, code_datastore):
+    with pytest.raises(DatastoreError, match=r"has no dense index .* which method 'dresd' "
+                                             r"needs; rebuild it with `vllm-rsd "
+                                             r"build-datastore --dense`"):
+        start_dresd(model_dir, code_datastore)
+
+
+@pytest.fixture
+def dense_copy(dense_datastore, tmp_path):
+    copy = tmp_path / "dense-copy"
+    shutil.copytree(dense_datastore, copy)
+    return copy
+
+
+def edit_dense_manifest(store, **changes):
+    path = store / "dense" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_dresd_index_of_another_model(model_dir, dense_copy):
+    edit_dense_manifest(dense_copy, model_name="other-model", model_fingerprint="0" * 64)
+    with pytest.raises(DatastoreError, match=r"was built from another model: it records "
+                                             r"'other-model' with fingerprint 0+, the model "
+                                             r"being served has fingerprint [0-9a-f]{64}"):
+        start_dresd(model_dir, dense_copy)
+
+
+def test_dresd_index_of_another_hidden_size(model_dir, dense_copy):
+    edit_dense_manifest(dense_copy, hidden_size=1024)
+    with pytest.raises(DatastoreError, match=r"holds states of hidden size 1024 .* the model "
+                                             r"being served has hidden size 576"):
+        start_dresd(model_dir, dense_copy)
+
+
+@pytest.mark.parametrize("dims", ["0", "577"])
+def test_pca_dims_out_of_range_fail_before_any_forward(model_dir, dense_copy, dims):
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_retrieval_spec.cli", "build-datastore", "--dense",
+         "--overwrite", "-o", str(dense_copy), "--model", model_dir, "--pca-dims", dims],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith(
+        f"error: PCA dims {dims} is out of range: must be in [1, 576] (the hidden size)")

@@ -18,12 +18,14 @@ from conftest import E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, shutdown
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module", params=["rest", "pld", "pld_plus", "hybrid"])
-def spec_llm(request, model_dir, code_datastore, plain_outputs):
+@pytest.fixture(scope="module", params=["rest", "pld", "pld_plus", "hybrid", "dresd"])
+def spec_llm(request, model_dir, plain_outputs):
     """One engine per method, alive while that method's tests run (pytest groups them)."""
     spec = {"method": request.param, "num_speculative_tokens": K}
     if request.param in ("rest", "hybrid"):
-        spec["datastore"] = code_datastore
+        spec["datastore"] = request.getfixturevalue("code_datastore")
+    if request.param == "dresd":
+        spec["datastore"] = request.getfixturevalue("dense_datastore")
     llm = make_llm(model_dir, spec)
     yield llm
     shutdown(llm)
@@ -71,6 +73,24 @@ def test_drafting_time_is_recorded_per_step(spec_llm):
     assert 0 < stats["p50_ms"] <= stats["p99_ms"]
 
 
+@pytest.mark.parametrize("spec_llm", ["dresd"], indirect=True)
+def test_dresd_queries_with_the_right_hidden_state(spec_llm, code_prompts, plain_outputs):
+    """Half the prompts have their own answers in the datastore. Queried with the state that
+    produced the last token, a neighbour's stored next token is that token and its continuation
+    is the answer's: long drafts, nearly all accepted. Any other state (an off-by-one row, a
+    draft token's state) fails the next-token filter and drafts little."""
+    half = len(code_prompts) // 2
+    before = spec_counters(spec_llm)
+    outputs = [generate_ids(spec_llm, [p], greedy())[0] for p in code_prompts[:half]]
+    after = spec_counters(spec_llm)
+    assert outputs == plain_outputs[:half]
+    accepted = after["accepted"] - before["accepted"]
+    # 32 tokens per prompt: the first comes from the prefill, the rest mostly from drafts.
+    assert accepted >= 0.6 * half * (E2E_MAX_TOKENS - 1)
+    stats = spec_llm.collective_rpc("rsd_drafting_stats")[0]
+    assert stats["search_ns"] > 0 and stats["search_wait_ns"] > 0
+
+
 @pytest.mark.parametrize("spec_llm", ["pld_plus"], indirect=True)
 def test_pld_plus_states_equal_a_transformers_forward(spec_llm, model_dir, code_prompts):
     """The per-request cache holds, for every context position, the state a plain forward of
@@ -103,12 +123,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("method", ["rest", "pld_plus"])
-def test_openai_server(method, model_dir, code_datastore, code_prompts, plain_outputs, tokenizer):
+@pytest.mark.parametrize("method", ["rest", "pld_plus", "dresd"])
+def test_openai_server(request, method, model_dir, code_prompts, plain_outputs, tokenizer):
     port = _free_port()
     spec = {"method": method, "num_speculative_tokens": K}
     if method == "rest":
-        spec["datastore"] = code_datastore
+        spec["datastore"] = request.getfixturevalue("code_datastore")
+    if method == "dresd":
+        spec["datastore"] = request.getfixturevalue("dense_datastore")
     server = subprocess.Popen(
         # The console script a user runs, from this environment.
         [str(Path(sys.executable).parent / "vllm-rsd"), "serve", model_dir,
