@@ -32,15 +32,19 @@ DRAFT_TOKEN_COST = 0.055
 
 
 def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int,
-           draft_token_cost: float = DRAFT_TOKEN_COST) -> dict[str, float]:
+           draft_token_cost: float = DRAFT_TOKEN_COST, adaptive: bool = False) -> dict[str, float]:
     """Walk every recorded output as the engine would with ``draft``; summarise.
 
     ``modeled_speedup`` = tokens per forward / (1 + ``draft_token_cost`` x mean draft length):
-    a forward verifying more tokens takes longer, so long weak drafts lose time.
+    a forward verifying more tokens takes longer, so long weak drafts lose time. ``adaptive``
+    caps each draft by the record's acceptance so far, as the proposers do in vLLM.
     """
+    from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker
+
     output_tokens = forwards = drafted = 0
     draft_ns: list[int] = []
-    for record in records:
+    tracker = AcceptanceTracker(k, draft_token_cost)
+    for n, record in enumerate(records):
         prompt, output = record["prompt"], record["output"]
         sequence = np.asarray(prompt + output, dtype=np.int32)
         draft = make_draft(record)
@@ -48,12 +52,14 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
         forwards += 1
         while position < len(output):
             start = time.perf_counter_ns()
-            proposal = draft(sequence[: len(prompt) + position], k)
+            max_len = tracker.cap(str(n)) if adaptive else k
+            proposal = draft(sequence[: len(prompt) + position], max_len)
             draft_ns.append(time.perf_counter_ns() - start)
             truth = output[position:position + len(proposal)]
             accepted = 0
             while accepted < len(truth) and proposal[accepted] == truth[accepted]:
                 accepted += 1
+            tracker.update(str(n), len(proposal), accepted)
             drafted += len(proposal)
             forwards += 1
             position += accepted + 1
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                if args.task is None or r.get("task", "code-gen") == args.task]
     for options in json.loads(args.configs):
         config = parse_speculative_config({"num_speculative_tokens": args.k, **options})
-        result = replay(records, draft_factory(config, args.model), config.num_speculative_tokens)
+        result = replay(records, draft_factory(config, args.model), config.num_speculative_tokens,
+                        config.draft_token_cost, config.adaptive_draft_len)
         print(json.dumps({"config": options, **result}))
 
 

@@ -37,6 +37,8 @@ class BenchSettings:
     prompt_offset: int = 0
     max_tokens: int = 128
     num_speculative_tokens: int = 8
+    #: Requests submitted together (a batch of this many, then the next).
+    concurrency: int = 1
     max_model_len: int = 2048
     # float32: in bfloat16 (vLLM's default on CPU) verifying k+1 tokens at once rounds
     # differently from decoding one, and even vLLM's own ngram stops matching plain decoding.
@@ -139,12 +141,14 @@ def _run_method(model: str, run: MethodRun, prompts: dict[str, list[list[int]]],
                 llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
             outputs: list[list[int]] = []
             elapsed = 0.0
-            for i, prompt in enumerate(task_prompts):
+            for i in range(0, len(task_prompts), settings.concurrency):
+                batch = task_prompts[i:i + settings.concurrency]
                 start = time.perf_counter()
-                result = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+                result = llm.generate([{"prompt_token_ids": p} for p in batch], greedy,
+                                      use_tqdm=False)
                 elapsed += time.perf_counter() - start
-                outputs.append(list(result[0].outputs[0].token_ids))
-                print(f"[bench] {run.method} {task}: prompt {i + 1}/{len(task_prompts)}, "
+                outputs += [list(r.outputs[0].token_ids) for r in result]
+                print(f"[bench] {run.method} {task}: prompt {len(outputs)}/{len(task_prompts)}, "
                       f"{sum(map(len, outputs))} tokens in {elapsed:.1f} s", file=sys.stderr)
             after = _spec_counters(llm)
             drafting = (llm.collective_rpc("rsd_drafting_stats")[0] if speculative
@@ -164,7 +168,7 @@ def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[
     config = dict(run.speculative_config or {})
     config.pop("method", None)
     config["dtype"] = settings.dtype
-    return {
+    row = {
         "task": task,
         "method": run.method,
         "config": config,
@@ -172,7 +176,7 @@ def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[
         "prompts": len(outputs),
         "max_tokens": settings.max_tokens,
         "temperature": 0.0,
-        "concurrency": 1,
+        "concurrency": settings.concurrency,
         "output_tokens": output_tokens,
         "tokens_per_s": round(output_tokens / elapsed, 3),
         # Each target forward yields one token plus the accepted draft tokens.
@@ -182,6 +186,10 @@ def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[
         "draft_ms_p99": _round(drafting["p99_ms"]),
         "elapsed_s": round(elapsed, 2),
     }
+    if drafting.get("search_ns"):
+        # DReSD: share of the ANN search time that drafting did not wait for (thread pool).
+        row["search_hidden"] = round(1 - drafting["search_wait_ns"] / drafting["search_ns"], 3)
+    return row
 
 
 def _spec_counters(llm: Any) -> dict[str, float]:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +121,51 @@ def plain_outputs(model_dir, code_prompts) -> list[list[int]]:
         return [generate_ids(llm, [p], greedy())[0] for p in code_prompts]
     finally:
         shutdown(llm)
+
+
+@contextlib.contextmanager
+def openai_server(model_dir: str, args: list[str], log_path: Path):
+    """`vllm-rsd serve` (the console script a user runs) on 127.0.0.1; yields its base URL once
+    /health answers. Its output goes to ``log_path`` (a pipe nobody reads would fill up)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "vllm-rsd"), "serve", model_dir,
+             "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "2048", *args],
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log,
+            stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not server_healthy(base):
+                assert server.poll() is None, log_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "server did not become healthy in 300 s"
+                time.sleep(2)
+            yield base
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def server_healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def prometheus_samples(text: str) -> dict[str, float]:
+    """'name{labels} value' lines of the Prometheus text format."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

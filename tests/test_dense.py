@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -256,3 +257,60 @@ def test_last_state_rows():
 def test_dresd_config_errors(options, message):
     with pytest.raises(ConfigError, match=message):
         parse_speculative_config({"method": "dresd", "num_speculative_tokens": 4, **options})
+
+
+def dresd_proposer(path, **options):
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import PLUGIN_KEY
+    from vllm_retrieval_spec.proposers.dresd import DresdProposer
+
+    config = parse_speculative_config({"method": "dresd", "num_speculative_tokens": 4,
+                                       "datastore": str(path), **options})
+    return DresdProposer(SimpleNamespace(
+        additional_config={PLUGIN_KEY: config.to_dict()},
+        speculative_config=SimpleNamespace(num_speculative_tokens=4),
+        model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000,
+                                     get_hidden_size=lambda: HIDDEN)))
+
+
+def test_dresd_proposer_drafts_each_row_from_its_own_state(clustered_store):
+    path, states = clustered_store
+    proposer = dresd_proposer(path, min_prefix_prob=0.0)
+    index = proposer.index
+    tokens = index.tokens
+    # Rows 0 and 2 continue the store at positions 100 and 4000 (their last token is the one
+    # their state predicted); row 1 is a partial prefill.
+    contexts = [tokens[90:102], tokens[:5], tokens[3990:4002]]
+    width = 16
+    token_ids = np.zeros((3, width), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        token_ids[i, :len(c)] = c
+    step_states = torch.from_numpy(np.stack([states[4000], states[100], states[0]]))
+    proposer.record_last_hidden_states(step_states, [1, -1, 0])
+    drafts = proposer.propose([[5], [], [6]], np.array([12, 5, 12]), token_ids)
+    for row, state in ((0, states[100]), (2, states[4000])):
+        neighbours, scores = index.search(index.projection(torch.from_numpy(state[None])), 32)
+        expected = dresd_draft(index, neighbours[0], scores[0], int(contexts[row][-1]), 4,
+                               proposer.config)
+        assert drafts[row] == expected.tolist()
+        assert len(expected)  # the key itself is its own nearest neighbour and passes the filter
+    assert drafts[1] == []
+    stats = proposer.stats()
+    assert stats["search_ns"] > 0 and stats["search_wait_ns"] > 0
+
+
+def test_dresd_search_over_budget_costs_the_draft(clustered_store, monkeypatch):
+    path, states = clustered_store
+    proposer = dresd_proposer(path, draft_budget_ms=10.0)
+    search = proposer.index.search
+
+    def slow_search(queries, top_n):
+        time.sleep(0.05)
+        return search(queries, top_n)
+
+    monkeypatch.setattr(proposer.index, "search", slow_search)
+    proposer.record_last_hidden_states(torch.from_numpy(states[:2]), [0, 1])
+    token_ids = np.asarray(proposer.index.tokens[:16].reshape(1, 16).repeat(2, 0))
+    assert proposer.propose([[1], [1]], np.array([16, 16]), token_ids) == [[], []]
+    assert proposer.stats()["failed_over_budget"] == 2

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from conftest import E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, shutdown
+from conftest import (E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, openai_server,
+                      prometheus_samples, shutdown)
 
 pytestmark = pytest.mark.e2e
 
@@ -117,40 +112,18 @@ def test_pld_plus_states_equal_a_transformers_forward(spec_llm, model_dir, code_
     assert abs(states - expected).max() < 1e-3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("method", ["rest", "pld_plus", "dresd"])
-def test_openai_server(request, method, model_dir, code_prompts, plain_outputs, tokenizer):
-    port = _free_port()
+def test_openai_server(request, method, model_dir, code_prompts, plain_outputs, tokenizer,
+                       tmp_path):
     spec = {"method": method, "num_speculative_tokens": K}
     if method == "rest":
         spec["datastore"] = request.getfixturevalue("code_datastore")
+    speculative_args = ["--speculative-config", json.dumps(spec)]
     if method == "dresd":
-        spec["datastore"] = request.getfixturevalue("dense_datastore")
-    server = subprocess.Popen(
-        # The console script a user runs, from this environment.
-        [str(Path(sys.executable).parent / "vllm-rsd"), "serve", model_dir,
-         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
-         "--max-model-len", "2048", "--speculative-config", json.dumps(spec)],
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.stdout.read()[-4000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy in 300 s"
-            time.sleep(2)
+        # Our CLI's spelling, which vLLM 0.32 lacks.
+        speculative_args = ["--speculative-model", "dresd", "--num-speculative-tokens", str(K),
+                            "--datastore", request.getfixturevalue("dense_datastore")]
+    with openai_server(model_dir, speculative_args, tmp_path / "server.log") as base:
         for prompt, expected in zip(code_prompts[:2], plain_outputs[:2]):
             body = json.dumps({"model": model_dir, "prompt": prompt, "max_tokens": E2E_MAX_TOKENS,
                                "temperature": 0.0}).encode()
@@ -159,9 +132,13 @@ def test_openai_server(request, method, model_dir, code_prompts, plain_outputs, 
             with urllib.request.urlopen(request, timeout=120) as r:
                 text = json.load(r)["choices"][0]["text"]
             assert text == tokenizer.decode(expected, skip_special_tokens=True)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            metrics = prometheus_samples(r.read().decode())
+        # Our series, made in the worker process, reach vLLM's /metrics beside vLLM's own.
+        label = f'{{method="{method}"}}'
+        assert metrics[f"vllm_rsd:lookups_total{label}"] > 0
+        assert metrics[f"vllm_rsd:target_forwards_total{label}"] > 0
+        assert (metrics[f"vllm_rsd:output_tokens_total{label}"]
+                > metrics[f"vllm_rsd:target_forwards_total{label}"])  # drafts were accepted
+        assert metrics[f"vllm_rsd:drafting_seconds_count{label}"] > 0
+        assert any(name.startswith("vllm:spec_decode_num_drafts_total") for name in metrics)

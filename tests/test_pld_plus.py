@@ -91,15 +91,21 @@ def one_hot(rows):
     return states
 
 
+
+def record(proposer, req_ids, states, segments):
+    """What the plugin does each step before propose()."""
+    proposer.observe_batch(req_ids)
+    proposer.record_hidden_states(req_ids, states, segments)
+
 def test_states_follow_requests_across_reordering_and_leaving():
     proposer = make_proposer()
     assert proposer.aux_hidden_state_layers == (2,)
     # Step 1: request a prefills 3 tokens, b prefills 2 (rows a, b).
-    proposer.record_hidden_states(["a", "b"], [one_hot([0, 1, 2, 3, 3])],
+    record(proposer, ["a", "b"], [one_hot([0, 1, 2, 3, 3])],
                                   [(0, 0, 3), (0, 3, 2)])
     # Step 2: rows swapped; b computes 1 token, a computes 1 token + 2 drafts of which 1 is
     # rejected (2 states kept).
-    proposer.record_hidden_states(["b", "a"], [one_hot([1, 0, 0, 3])],
+    record(proposer, ["b", "a"], [one_hot([1, 0, 0, 3])],
                                   [(2, 0, 1), (3, 1, 2)])
     np.testing.assert_array_equal(proposer.caches["a"].view().argmax(1), [0, 1, 2, 0, 0])
     np.testing.assert_array_equal(proposer.caches["b"].view().argmax(1), [3, 3, 1])
@@ -109,13 +115,13 @@ def test_states_follow_requests_across_reordering_and_leaving():
     drafts = proposer.propose([[1], [9]], np.array([3, 6], np.int32), tokens)
     assert drafts[1] == [5, 9, 4]
     # Step 3: a has finished; only b is in the batch, so a's states are freed.
-    proposer.record_hidden_states(["b"], [one_hot([2])], [(3, 0, 1)])
+    record(proposer, ["b"], [one_hot([2])], [(3, 0, 1)])
     assert set(proposer.caches) == {"b"}
 
 
 def test_no_draft_without_complete_states():
     proposer = make_proposer()
-    proposer.record_hidden_states(["a"], [one_hot([0])], [(4, 0, 1)])  # positions 0..3 unseen
+    record(proposer, ["a"], [one_hot([0])], [(4, 0, 1)])  # positions 0..3 unseen
     tokens = np.zeros((1, 64), dtype=np.int32)
     tokens[0, :6] = [4, 7, 4, 5, 9, 4]
     assert proposer.propose([[4]], np.array([6], np.int32), tokens) == [[]]
@@ -123,8 +129,8 @@ def test_no_draft_without_complete_states():
 
 def test_a_recording_failure_costs_drafts_not_the_engine():
     proposer = make_proposer()
-    proposer.record_hidden_states(["a"], [one_hot([0, 1])], [(0, 0, 2)])
-    proposer.record_hidden_states(["a"], ["not a tensor"], [(2, 0, 1)])
+    record(proposer, ["a"], [one_hot([0, 1])], [(0, 0, 2)])
+    record(proposer, ["a"], ["not a tensor"], [(2, 0, 1)])
     assert proposer.num_failed_drafts == 1 and proposer.caches == {}
     tokens = np.zeros((1, 64), dtype=np.int32)
     tokens[0, :4] = [4, 7, 4, 4]

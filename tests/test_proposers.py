@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -94,5 +95,57 @@ def test_a_failing_draft_costs_one_request_one_step(datastore, caplog):
     drafts = proposer.propose([[2]] * 6, lengths, tokens)
     assert drafts == [[], [], [], [], [7, 8], []]
     assert proposer.num_failed_drafts == 5
-    errors = [r for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and "raised" in errors[0].getMessage()
+    assert proposer.stats() == {"failed_exception": 2, "failed_too_long": 1,
+                                "failed_out_of_vocabulary": 2}
+    # The first event of each kind is logged, with what happened; repeats are only counted.
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 3
+    assert "raised" in errors[0] and "returned 4 tokens, more than the allowed 3" in errors[1]
+    assert f"returned token ids outside [0, {VOCAB})" in errors[2]
+
+
+class SlowProposer(RetrievalProposer):
+    def draft(self, context, max_len):
+        time.sleep(0.02 if context[-1] == 9 else 0)
+        return np.asarray([1], dtype=np.int32)
+
+
+def test_a_draft_over_its_time_budget_is_dropped(datastore, caplog):
+    config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
+                          "draft_budget_ms": 10.0})
+    proposer = SlowProposer(config)
+    tokens, lengths = batch([1, 9], [1, 2], [1, 9])
+    assert proposer.propose([[9], [2], [9]], lengths, tokens) == [[], [1], []]
+    assert proposer.stats() == {"failed_over_budget": 2}
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "over its 10.0 ms budget" in errors[0]
+
+
+def test_prometheus_series_count_lookups_and_forwards(datastore):
+    from prometheus_client import REGISTRY
+
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(f"vllm_rsd:{name}", {"method": "rest", **labels}) or 0
+
+    names = ("lookups_total", "empty_lookups_total", "target_forwards_total",
+             "output_tokens_total")
+    before = {name: value(name) for name in names}
+    proposer = rest(datastore)
+    tokens, lengths = batch([1, 2, 3], [42, 43], [1, 2])
+    # A drafted row (3 tokens sampled), an empty lookup (1 sampled), a prefill (nothing).
+    proposer.propose([[5, 6, 3], [43], []], lengths, tokens)
+    after = {name: value(name) for name in names}
+    assert {name: after[name] - before[name] for name in names} == {
+        "lookups_total": 2, "empty_lookups_total": 1, "target_forwards_total": 2,
+        "output_tokens_total": 4}
+
+
+def test_injected_faults_cost_only_drafts(datastore):
+    config = vllm_config({"method": "rest", "num_speculative_tokens": 4, "datastore": datastore,
+                          "inject_faults": 1.0, "draft_budget_ms": 1.0})
+    proposer = RestProposer(config)
+    tokens, lengths = batch([1, 2, 3])
+    drafts = [proposer.propose([[3]], lengths, tokens) for _ in range(8)]
+    assert drafts == [[[]]] * 8
+    assert proposer.stats() == {"failed_exception": 2, "failed_too_long": 2,
+                                "failed_out_of_vocabulary": 2, "failed_over_budget": 2}

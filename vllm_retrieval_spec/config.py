@@ -38,9 +38,29 @@ class MethodConfig:
     proposer_class: ClassVar[str]
 
     num_speculative_tokens: int
+    #: A request whose drafting takes longer than this (ms) gets no draft that step; the event
+    #: is counted. 0 = no budget. A plain step of SmolLM2 on our CPUs takes ~60 ms and drafting
+    #: normally well under 1 ms, so 5 ms only catches pathological lookups.
+    draft_budget_ms: float = 5.0
+    #: Cap each request's draft length by its recent acceptance (``drafting.adaptive``).
+    adaptive_draft_len: bool = True
+    #: Verifying one more draft token costs this fraction of a forward (SmolLM2, fp32, 2 CPU
+    #: cores: 0.055, benchmarks/replay.py). Sets where adaptive drafts stop paying.
+    draft_token_cost: float = 0.055
+    #: No drafts while this many requests or more are running (0 = always draft): at large
+    #: batches verification costs more than it saves (measured crossover in README).
+    disable_by_batch_size: int = 0
+    #: Testing aid, 0 in production: this fraction of draft attempts fails on purpose, in turn
+    #: raising, drafting k + 1 tokens, drafting an id outside the vocabulary and overrunning the
+    #: time budget, to show that such faults cost drafts, never the engine.
+    inject_faults: float = 0.0
 
     def __post_init__(self) -> None:
         _check_range(self, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        _check_range(self, "draft_budget_ms", 0.0, 1e4)
+        _check_range(self, "draft_token_cost", 0.0, 1.0)
+        _check_range(self, "disable_by_batch_size", 0, 1 << 20)
+        _check_range(self, "inject_faults", 0.0, 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, **dataclasses.asdict(self)}

@@ -35,3 +35,61 @@ class DraftingTimer:
         if reset:
             self._count = 0
         return summary
+
+
+#: Prefix of our Prometheus metrics. Not "vllm:": vLLM unregisters every "vllm:" collector of
+#: the default registry when it sets up its own.
+PROMETHEUS_PREFIX = "vllm_rsd:"
+_DRAFTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+
+
+class MethodMetrics:
+    """Our Prometheus series for one drafting method, created in the worker that drafts.
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` set (``vllm-rsd serve`` sets it), prometheus_client
+    writes them to files that vLLM's ``/metrics`` endpoint collects from every process; without
+    it they stay in this process's default registry. Tokens per target forward is
+    ``output_tokens_total / target_forwards_total``.
+    """
+
+    def __init__(self, method: str) -> None:
+        metrics = _prometheus_metrics()
+        self.drafting_seconds = metrics["drafting_seconds"].labels(method)
+        self.lookups = metrics["lookups"].labels(method)
+        self.empty_lookups = metrics["empty_lookups"].labels(method)
+        self.output_tokens = metrics["output_tokens"].labels(method)
+        self.target_forwards = metrics["target_forwards"].labels(method)
+        self._failed_drafts = metrics["failed_drafts"]
+        self._method = method
+
+    def failed_draft(self, kind: str) -> None:
+        self._failed_drafts.labels(self._method, kind).inc()
+
+
+_metrics: dict[str, object] = {}
+
+
+def _prometheus_metrics() -> dict[str, object]:
+    """Create the metric families once per process (prometheus_client refuses duplicates)."""
+    if not _metrics:
+        from prometheus_client import Counter, Histogram
+
+        p = PROMETHEUS_PREFIX
+        _metrics.update(
+            drafting_seconds=Histogram(
+                p + "drafting_seconds", "Drafting time per engine step, whole batch",
+                ["method"], buckets=_DRAFTING_BUCKETS),
+            lookups=Counter(p + "lookups", "Draft attempts (one per request per step)",
+                            ["method"]),
+            empty_lookups=Counter(p + "empty_lookups", "Draft attempts that found nothing",
+                                  ["method"]),
+            failed_drafts=Counter(
+                p + "failed_drafts", "Drafts dropped: exception, too_long, out_of_vocabulary "
+                "or over_budget", ["method", "kind"]),
+            output_tokens=Counter(p + "output_tokens",
+                                  "Tokens produced (accepted drafts + one per forward)",
+                                  ["method"]),
+            target_forwards=Counter(p + "target_forwards",
+                                    "Target-model forwards, counted per request", ["method"]),
+        )
+    return _metrics

@@ -226,6 +226,9 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         if timer is None:
             timer = self._rsd_drafting_timer = DraftingTimer()
         start = time.perf_counter_ns()
+        observe_batch = getattr(self.__dict__.get("drafter"), "observe_batch", None)
+        if observe_batch is not None:
+            observe_batch(list(self.input_batch.req_ids))
         if aux_hidden_states is not None and _drafter_aux_layers(self):
             self.drafter.record_hidden_states(
                 list(self.input_batch.req_ids), aux_hidden_states,
@@ -237,7 +240,11 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         drafts = propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                          sampling_metadata, hidden_states, sample_hidden_states,
                                          aux_hidden_states, spec_decode_metadata, *args, **kwargs)
-        timer.record(time.perf_counter_ns() - start)
+        elapsed = time.perf_counter_ns() - start
+        timer.record(elapsed)
+        metrics = getattr(self.__dict__.get("drafter"), "metrics", None)
+        if metrics is not None:
+            metrics.drafting_seconds.observe(elapsed / 1e9)
         return drafts
 
     return wrapper

@@ -102,13 +102,19 @@ class Projection:
     def __call__(self, states: Any) -> np.ndarray:
         """Unit rows float32 [B, d] for a [B, H] torch tensor of any float dtype (on any device:
         the fused Triton kernel on GPU, the torch reference on CPU)."""
-        import torch
-
         from vllm_retrieval_spec.kernels.projection import project
 
-        params = [torch.from_numpy(np.asarray(a)).to(states.device)
-                  for a in (self.mean, self.inv_std, self.components)]
-        return project(states, *params).cpu().numpy()
+        return project(states, *self._on_device(states.device)).cpu().numpy()
+
+    def _on_device(self, device: Any) -> tuple[Any, Any, Any]:
+        # Converted once per device: every decoding step projects.
+        cache = self.__dict__.setdefault("_device_params", {})
+        if device not in cache:
+            import torch
+
+            cache[device] = tuple(torch.from_numpy(np.asarray(a)).to(device)
+                                  for a in (self.mean, self.inv_std, self.components))
+        return cache[device]
 
 
 def check_pca_dims(dims: int, hidden_size: int) -> None:

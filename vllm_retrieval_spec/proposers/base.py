@@ -9,12 +9,18 @@ failure costs that request one step's draft, never the engine.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
+import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
+from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker
+from vllm_retrieval_spec.metrics import MethodMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +33,19 @@ class RetrievalProposer:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.vocab_size = vllm_config.model_config.get_vocab_size()
-        #: Steps on which a request got no draft because drafting failed or returned garbage.
-        self.num_failed_drafts = 0
+        self.budget_ns = int(self.config.draft_budget_ms * 1e6)
+        #: Request id of each batch row this step (``observe_batch``; empty outside vLLM).
+        self.row_req_ids: list[str] = []
+        self.acceptance = (AcceptanceTracker(self.k, self.config.draft_token_cost)
+                           if self.config.adaptive_draft_len else None)
+        self.last_draft_len: dict[str, int] = {}
+        self.metrics = MethodMetrics(self.config.method)
+        # Seeded: every tensor-parallel rank must draft the same.
+        self._fault_rng = random.Random(0)
+        self._fault_kinds = itertools.cycle(("raise", "too_long", "out_of_vocabulary", "slow"))
+        #: Steps on which a request got no draft because drafting failed, returned garbage or
+        #: overran its time budget, by kind (see ``_fail``).
+        self.failures: Counter[str] = Counter()
 
     def load_model(self, model: Any) -> None:
         """The CPU runner hands over the target model; retrieval needs none by default."""
@@ -41,6 +58,16 @@ class RetrievalProposer:
         """``draft`` for batch row ``row``; methods with per-request state override this."""
         return self.draft(context, max_len)
 
+    def observe_batch(self, req_ids: list[str]) -> None:
+        """The plugin calls this each step before ``propose``: which request is in which row.
+        State of requests that left the batch is dropped."""
+        self.row_req_ids = req_ids
+        if len(self.last_draft_len) > len(req_ids):
+            present = set(req_ids)
+            self.last_draft_len = {r: n for r, n in self.last_draft_len.items() if r in present}
+            if self.acceptance is not None:
+                self.acceptance.forget_except(present)
+
     def propose(
         self,
         sampled_token_ids: list[list[int]],
@@ -48,6 +75,14 @@ class RetrievalProposer:
         token_ids_cpu: np.ndarray,
         slot_mappings: Any = None,
     ) -> list[list[int]]:
+        running = sum(1 for sampled in sampled_token_ids if sampled)
+        self.metrics.target_forwards.inc(running)
+        self.metrics.output_tokens.inc(sum(map(len, sampled_token_ids)))
+        limit = self.config.disable_by_batch_size
+        if limit and running >= limit:
+            # Verifying drafts for a batch this large costs more than they save.
+            self.last_draft_len.clear()
+            return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
@@ -57,29 +92,80 @@ class RetrievalProposer:
             num_tokens = int(num_tokens_no_spec[i])
             # Leave room for the bonus token: a draft may not push past max_model_len.
             max_len = min(self.k, self.max_model_len - num_tokens - 1)
-            if max_len <= 0:
-                drafts.append([])
-                continue
-            drafts.append(self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len))
+            req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
+            if req_id is not None and self.acceptance is not None:
+                # The tokens sampled this step are the accepted part of last step's draft
+                # plus one the target model chose itself.
+                self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
+                                       len(sampled) - 1)
+                max_len = min(max_len, self.acceptance.cap(req_id))
+            draft = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
+                if max_len > 0 else []
+            if req_id is not None:
+                self.last_draft_len[req_id] = len(draft)
+            drafts.append(draft)
         return drafts
 
+    def stats(self) -> dict[str, int]:
+        """Counters the ``rsd_drafting_stats`` worker RPC reports."""
+        return {f"failed_{kind}": n for kind, n in self.failures.items()}
+
+    @property
+    def num_failed_drafts(self) -> int:
+        return sum(self.failures.values())
+
     def _safe_draft(self, row: int, context: np.ndarray, max_len: int) -> list[int]:
+        self.metrics.lookups.inc()
+        draft = self._checked_draft(row, context, max_len)
+        if not draft:
+            self.metrics.empty_lookups.inc()
+        return draft
+
+    def _checked_draft(self, row: int, context: np.ndarray, max_len: int) -> list[int]:
+        start = time.perf_counter_ns()
+        draft_row = self.draft_row
+        if self.config.inject_faults and self._fault_rng.random() < self.config.inject_faults:
+            draft_row = self._injected_fault
         try:
-            draft = self.draft_row(row, context, max_len)
+            draft = draft_row(row, context, max_len)
+        except TimeoutError:
+            self._fail("over_budget", f"waited past its {self.config.draft_budget_ms} ms budget")
+            return []
         except Exception:
-            self._fail("raised", exc_info=True)
+            self._fail("exception", "raised", exc_info=True)
+            return []
+        elapsed = time.perf_counter_ns() - start
+        if self.budget_ns and elapsed > self.budget_ns:
+            # The time is spent, but a draft this late would make the step later still
+            # (its verification costs more too); a slow lookup must not become the norm.
+            self._fail("over_budget", f"took {elapsed / 1e6:.2f} ms, over its "
+                                      f"{self.config.draft_budget_ms} ms budget")
             return []
         if len(draft) > max_len:
-            self._fail(f"returned {len(draft)} tokens, more than the allowed {max_len}")
+            self._fail("too_long", f"returned {len(draft)} tokens, more than the allowed {max_len}")
             return []
         if len(draft) and (draft.min() < 0 or draft.max() >= self.vocab_size):
-            self._fail(f"returned token ids outside [0, {self.vocab_size}): {draft.tolist()}")
+            self._fail("out_of_vocabulary",
+                       f"returned token ids outside [0, {self.vocab_size}): {draft.tolist()}")
             return []
         return draft.tolist()
 
-    def _fail(self, what: str, exc_info: bool = False) -> None:
-        self.num_failed_drafts += 1
-        if self.num_failed_drafts == 1:
+    def _injected_fault(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+        kind = next(self._fault_kinds)
+        if kind == "raise":
+            raise RuntimeError("injected fault (inject_faults)")
+        if kind == "too_long":
+            return np.ones(max_len + 1, dtype=np.int32)
+        if kind == "out_of_vocabulary":
+            return np.asarray([self.vocab_size], dtype=np.int32)
+        time.sleep(2 * self.config.draft_budget_ms / 1e3)
+        return self.draft_row(row, context, max_len)
+
+    def _fail(self, kind: str, what: str, exc_info: bool = False) -> None:
+        self.failures[kind] += 1
+        self.metrics.failed_draft(kind)
+        if self.failures[kind] == 1:
             logger.error(
-                "%s drafting %s; that request gets no draft this step (logged once; see "
-                "num_failed_drafts)", type(self).__name__, what, exc_info=exc_info)
+                "%s drafting %s; that request gets no draft this step (the first %r event is "
+                "logged, later ones only counted: see failures)", type(self).__name__, what,
+                kind, exc_info=exc_info)

@@ -104,7 +104,7 @@ class DresdProposer(RetrievalProposer):
             queries = self.index.projection(states[[rows[i] for i in valid]])
         except Exception:
             # No query, no draft: the engine goes on.
-            self._fail("could not project hidden states", exc_info=True)
+            self._fail("exception", "could not project hidden states", exc_info=True)
             return
         if len(valid) == 1:
             self.row_results[valid[0]] = self._search(queries)
@@ -123,7 +123,9 @@ class DresdProposer(RetrievalProposer):
             return np.empty(0, dtype=np.int32)
         if isinstance(result, Future):
             start = time.perf_counter_ns()
-            result = result.result()
+            # A search still running past the budget costs this request its draft (TimeoutError,
+            # counted by the caller), not the step its time.
+            result = result.result(timeout=self.budget_ns / 1e9 or None)
             self.search_wait_ns += time.perf_counter_ns() - start
         else:
             # Searched inline: all of it was waited for.
@@ -134,4 +136,5 @@ class DresdProposer(RetrievalProposer):
                            self.config)
 
     def stats(self) -> dict[str, int]:
-        return {"search_ns": self.search_ns, "search_wait_ns": self.search_wait_ns}
+        return {**super().stats(), "search_ns": self.search_ns,
+                "search_wait_ns": self.search_wait_ns}

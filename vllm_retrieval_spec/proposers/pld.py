@@ -123,7 +123,6 @@ class PldPlusProposer(RetrievalProposer):
         self.aux_hidden_state_layers = (self.config.layer,)
         self.hidden_size = vllm_config.model_config.get_hidden_size()
         self.caches: dict[str, HiddenStateCache] = {}
-        self.row_req_ids: list[str] = []
 
     def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],
                              segments: list[tuple[int, int, int]]) -> None:
@@ -132,7 +131,6 @@ class PldPlusProposer(RetrievalProposer):
         A failure here must not reach the engine: the caches are dropped instead, so requests
         get no draft until their states are complete again (a recompute from position 0).
         """
-        self.row_req_ids = req_ids
         try:
             states = aux_hidden_states[0]
             for req_id in self.caches.keys() - set(req_ids):
@@ -145,7 +143,7 @@ class PldPlusProposer(RetrievalProposer):
                 rows = states[offset:offset + count].float().cpu().numpy()
                 cache.write(position, unit_rows(rows))
         except Exception:
-            self._fail("could not record hidden states", exc_info=True)
+            self._fail("exception", "could not record hidden states", exc_info=True)
             self.caches.clear()
 
     def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:

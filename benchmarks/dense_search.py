@@ -1,0 +1,88 @@
+"""DReSD's dense search on real hidden states: ScaNN's recall against exact search, and latency.
+
+Queries are the model's final hidden states along recorded outputs (``<run>.plain.jsonl`` from
+``vllm-rsd bench``), i.e. the queries DReSD makes while decoding them, projected as the proposer
+projects them.
+
+    python -m vllm_retrieval_spec.benchmarks.dense_search ds/own \
+        --outputs benchmarks/results/RUN.plain.jsonl --model MODEL_DIR --run-name NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def measure(datastore: str, records: list[dict], model: str, top_n: int) -> dict:
+    import torch
+
+    from vllm_retrieval_spec.benchmarks.replay import _transformers_states
+    from vllm_retrieval_spec.datastore.dense import DenseIndex
+
+    states = _transformers_states(model)
+    exact = DenseIndex.from_path(datastore, search="exact", verify_checksums=False)
+    scann = DenseIndex.from_path(datastore, search="scann", verify_checksums=False)
+    queries = np.concatenate([
+        exact.projection(torch.from_numpy(
+            states(r, len(states.hidden_layers) - 1, unit=False)[len(r["prompt"]) - 1:]))
+        for r in records])
+    result = {"datastore": Path(datastore).name, "num_keys": exact.manifest.num_keys,
+              "dims": exact.manifest.dims,
+              "explained_variance": round(exact.manifest.explained_variance, 4),
+              "queries": len(queries), "top_n": top_n, "scann_settings": exact.manifest.scann}
+    found = {}
+    for name, index in (("exact", exact), ("scann", scann)):
+        latencies = []
+        hits = []
+        for query in queries:
+            start = time.perf_counter_ns()
+            neighbours, _ = index.search(query[None], top_n)
+            latencies.append(time.perf_counter_ns() - start)
+            hits.append(neighbours[0])
+        found[name] = hits
+        result[f"{name}_us_p50"] = round(float(np.percentile(latencies, 50)) / 1e3, 1)
+        result[f"{name}_us_p99"] = round(float(np.percentile(latencies, 99)) / 1e3, 1)
+    result["scann_recall"] = round(float(np.mean(
+        [len(set(e) & set(s)) / len(e) for e, s in zip(found["exact"], found["scann"])])), 4)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    from vllm_retrieval_spec.benchmarks.replay import load_records
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("datastores", nargs="+", help="datastores with a dense index")
+    parser.add_argument("--outputs", required=True, help="<run>.plain.jsonl")
+    parser.add_argument("--model", required=True, help="model folder")
+    parser.add_argument("--task", help="only this task's records")
+    parser.add_argument("--top-n", type=int, default=32)
+    parser.add_argument("--run-name", default="dense-search")
+    parser.add_argument("--output-dir", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    records = [r for r in load_records(args.outputs)
+               if args.task is None or r.get("task", "code-gen") == args.task]
+    rows = [measure(d, records, args.model, args.top_n) for d in args.datastores]
+    document = {"run": args.run_name, "command": "python -m vllm_retrieval_spec.benchmarks."
+                "dense_search " + " ".join(sys.argv[1:]), "rows": rows}
+    columns = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "scann_recall",
+               "exact_us_p50", "exact_us_p99", "scann_us_p50", "scann_us_p99")
+    table = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                      + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows])
+    print(table)
+    if args.output_dir:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.run_name}.json").write_text(json.dumps(document, indent=2) + "\n")
+        (out / f"{args.run_name}.md").write_text(
+            f"# {args.run_name}\n\n`{document['command']}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Adaptive speculation: draft-length caps from acceptance, and no drafts at large batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_proposers import batch, vllm_config
+from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, max_worthwhile_len
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+
+@pytest.mark.parametrize("rate, expected", [
+    (0.99, 8), (0.8, 8), (0.6, 5), (0.5, 4), (0.3, 2), (0.1, 1), (0.0, 1), (1.0, 8)])
+def test_max_worthwhile_len(rate, expected):
+    # The L-th token pays while rate**L > cost: 0.5**4 = 0.0625 > 0.055 > 0.5**5.
+    assert max_worthwhile_len(rate, 0.055, 8) == expected
+
+
+def test_tracker_follows_acceptance_per_request():
+    tracker = AcceptanceTracker(k=8, draft_token_cost=0.055)
+    assert tracker.cap("a") == 8
+    for _ in range(6):
+        tracker.update("a", 8, 0)
+        tracker.update("b", 8, 8)
+    assert tracker.cap("a") == 1 and tracker.cap("b") == 8
+    tracker.update("a", 0, 0)  # no draft, no evidence
+    assert tracker.cap("a") == 1
+    for _ in range(10):
+        tracker.update("a", 1, 1)
+    assert tracker.cap("a") == 8
+    tracker.forget_except({"b"})
+    assert set(tracker.rates) == {"b"}
+
+
+class ConstantProposer(RetrievalProposer):
+    def draft(self, context, max_len):
+        return np.arange(1, max_len + 1, dtype=np.int32)
+
+
+def proposer(**options):
+    return ConstantProposer(vllm_config({"method": "pld", "num_speculative_tokens": 8,
+                                         **options}))
+
+
+def test_caps_shrink_for_a_request_whose_drafts_fail():
+    p = proposer()
+    tokens, lengths = batch([5, 6], [5, 6], width=16)
+    p.observe_batch(["bad", "good"])
+    assert [len(d) for d in p.propose([[6], [6]], lengths, tokens)] == [8, 8]
+    for _ in range(5):
+        p.observe_batch(["bad", "good"])
+        # "bad" got 0 of its draft accepted (one token sampled), "good" all 8 (+1 bonus).
+        drafts = p.propose([[6], [6] * 9], lengths, tokens)
+    assert len(drafts[0]) == 1 and len(drafts[1]) == 8
+    p.observe_batch(["good"])  # "bad" finished: its state goes
+    assert set(p.last_draft_len) == {"good"} and set(p.acceptance.rates) == {"good"}
+
+
+def test_without_request_ids_or_with_adaptation_off_drafts_are_not_capped():
+    tokens, lengths = batch([5, 6], width=16)
+    p = proposer()
+    for _ in range(5):
+        assert len(p.propose([[6]], lengths, tokens)[0]) == 8
+    p = proposer(adaptive_draft_len=False)
+    for _ in range(5):
+        p.observe_batch(["a"])
+        assert len(p.propose([[6]], lengths, tokens)[0]) == 8
+
+
+def test_drafting_stops_at_the_batch_size_limit():
+    p = proposer(disable_by_batch_size=3)
+    tokens, lengths = batch([5, 6], [5, 6], [5, 6], width=16)
+    # Two requests running (the third is prefilling): drafts; three: none.
+    assert [len(d) for d in p.propose([[6], [6], []], lengths, tokens)] == [8, 8, 0]
+    assert p.propose([[6], [6], [6]], lengths, tokens) == [[], [], []]

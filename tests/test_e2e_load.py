@@ -1,0 +1,75 @@
+"""The OpenAI server under a bounded burst of concurrent requests (127.0.0.1 only)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import E2E_MAX_TOKENS, K, openai_server, prometheus_samples, server_healthy
+
+pytestmark = pytest.mark.e2e
+
+#: Requests sent at once: greedy and sampled, streamed and not, in turn.
+BURST = 12
+FAULT_KINDS = ("exception", "too_long", "out_of_vocabulary", "over_budget")
+
+
+def complete(base: str, model: str, prompt: list[int], temperature: float,
+             stream: bool) -> tuple[str, str]:
+    """(text, finish reason) of one completion; a stream's deltas are joined."""
+    body = {"model": model, "prompt": prompt, "max_tokens": E2E_MAX_TOKENS,
+            "temperature": temperature, "stream": stream, "seed": 7}
+    request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        if not stream:
+            choice = json.load(r)["choices"][0]
+            return choice["text"], choice["finish_reason"]
+        text, finish_reason = [], None
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                text.append(choice["text"])
+                finish_reason = choice.get("finish_reason") or finish_reason
+        return "".join(text), finish_reason
+
+
+@pytest.mark.parametrize("inject_faults", [0.0, 0.3], ids=["healthy", "faulty-proposer"])
+def test_burst_of_concurrent_requests(inject_faults, model_dir, code_datastore, code_prompts,
+                                      plain_outputs, tokenizer, tmp_path):
+    spec = {"method": "rest", "num_speculative_tokens": K, "datastore": code_datastore,
+            "inject_faults": inject_faults}
+    jobs = [(i % len(code_prompts), 0.0 if i % 4 < 2 else 0.8, i % 2 == 1)
+            for i in range(BURST)]
+    with openai_server(model_dir, ["--speculative-config", json.dumps(spec)],
+                       tmp_path / "server.log") as base:
+        with ThreadPoolExecutor(BURST) as pool:
+            results = list(pool.map(
+                lambda job: complete(base, model_dir, code_prompts[job[0]], job[1], job[2]),
+                jobs))
+        for (prompt, temperature, stream), (text, finish_reason) in zip(jobs, results):
+            assert finish_reason in ("length", "stop"), (prompt, stream)
+            if temperature == 0.0:
+                expected = tokenizer.decode(plain_outputs[prompt], skip_special_tokens=True)
+                assert text == expected, (prompt, stream)
+        assert server_healthy(base)
+        # The engine still serves after the burst.
+        text, _ = complete(base, model_dir, code_prompts[0], 0.0, False)
+        assert text == tokenizer.decode(plain_outputs[0], skip_special_tokens=True)
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            metrics = prometheus_samples(r.read().decode())
+    label = '{method="rest"}'
+    assert metrics[f"vllm_rsd:lookups_total{label}"] > 0
+    failed = {kind: metrics.get(f'vllm_rsd:failed_drafts_total{{method="rest",kind="{kind}"}}',
+                                0.0) for kind in FAULT_KINDS}
+    if inject_faults:
+        # Every kind of fault happened, was counted, and cost only drafts.
+        assert all(n > 0 for n in failed.values()), failed
+        # Each kind's first event is logged, with context; repeats are only counted.
+        assert (tmp_path / "server.log").read_text().count("gets no draft this step") == 4
+    else:
+        assert not any(failed.values()), failed

@@ -1,0 +1,51 @@
+"""Adaptive speculation: how long a request's drafts may be, from its recent acceptance.
+
+If each drafted token is accepted with probability ``a`` (given its prefix was), the L-th token
+of a draft is accepted with probability ``a**L`` and costs ``draft_token_cost`` of a forward to
+verify. Drafting it pays while ``a**L > draft_token_cost``, so the longest draft worth sending is
+``log(draft_token_cost) / log(a)``. ``a`` is estimated per request as an exponential moving
+average of accepted / drafted tokens, so a request whose drafts keep failing (text the datastore
+does not know) drafts one token at a time until it starts matching again, while the retrieval
+rule's own evidence cut still decides within that cap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-request acceptance rates and the draft-length caps they imply."""
+
+    k: int
+    draft_token_cost: float
+    #: Weight of the newest step in the moving average.
+    smoothing: float = 0.3
+    #: Starting estimate: optimistic, so a new request may draft up to k at once.
+    initial_rate: float = 0.9
+    rates: dict[str, float] = field(default_factory=dict)
+
+    def cap(self, req_id: str) -> int:
+        return max_worthwhile_len(self.rates.get(req_id, self.initial_rate),
+                                  self.draft_token_cost, self.k)
+
+    def update(self, req_id: str, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        rate = self.rates.get(req_id, self.initial_rate)
+        self.rates[req_id] = (1 - self.smoothing) * rate + self.smoothing * accepted / drafted
+
+    def forget_except(self, req_ids: set[str]) -> None:
+        for req_id in self.rates.keys() - req_ids:
+            del self.rates[req_id]
+
+
+def max_worthwhile_len(rate: float, draft_token_cost: float, k: int) -> int:
+    """The longest draft whose last token still pays for its verification, in [1, k]."""
+    if draft_token_cost <= 0 or rate >= 1:
+        return k
+    if rate <= draft_token_cost:
+        return 1
+    return max(1, min(k, int(math.log(draft_token_cost) / math.log(rate))))
