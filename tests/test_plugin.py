@@ -45,3 +45,16 @@ def test_register_is_idempotent():
     wrapped = EngineArgs.create_speculative_config
     plugin.register()
     assert EngineArgs.create_speculative_config is wrapped
+
+
+def test_expand_batch_to_tokens_replacement():
+    import torch
+
+    original = pytest.importorskip("vllm.v1.sample.rejection_sampler").expand_batch_to_tokens
+    expand = plugin._expand_batch_to_tokens(original)
+    cu = torch.tensor([3, 5, 9], dtype=torch.int32)
+    temperature = expand(torch.tensor([-1.0, 0.8, 0.5]), cu, 9, replace_from=-1, replace_to=1)
+    assert temperature.tolist() == pytest.approx([1, 1, 1, 0.8, 0.8, 0.5, 0.5, 0.5, 0.5])
+    top_k = expand(torch.tensor([5, 0, 7], dtype=torch.int32), cu, 9)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 5, 0, 0, 7, 7, 7, 7]
+    assert expand(torch.tensor([2.0]), torch.tensor([0]), 0).numel() == 0

