@@ -162,10 +162,16 @@ def server_healthy(base: str) -> bool:
 
 
 def prometheus_samples(text: str) -> dict[str, float]:
-    """'name{labels} value' lines of the Prometheus text format."""
+    """'name{labels} value' lines of the Prometheus text format, keyed by the name with its
+    labels in alphabetical order (multiprocess collection does not keep declaration order)."""
+    import re
+
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            pairs = sorted(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+            key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
+            samples[key] = float(value)
     return samples

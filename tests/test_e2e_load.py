@@ -64,7 +64,7 @@ def test_burst_of_concurrent_requests(inject_faults, model_dir, code_datastore, 
             metrics = prometheus_samples(r.read().decode())
     label = '{method="rest"}'
     assert metrics[f"vllm_rsd:lookups_total{label}"] > 0
-    failed = {kind: metrics.get(f'vllm_rsd:failed_drafts_total{{method="rest",kind="{kind}"}}',
+    failed = {kind: metrics.get(f'vllm_rsd:failed_drafts_total{{kind="{kind}",method="rest"}}',
                                 0.0) for kind in FAULT_KINDS}
     if inject_faults:
         # Every kind of fault happened, was counted, and cost only drafts.
