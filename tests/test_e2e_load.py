@@ -42,7 +42,9 @@ def complete(base: str, model: str, prompt: list[int], temperature: float,
 def test_burst_of_concurrent_requests(inject_faults, model_dir, code_datastore, code_prompts,
                                       plain_outputs, tokenizer, tmp_path):
     spec = {"method": "rest", "num_speculative_tokens": K, "datastore": code_datastore,
-            "inject_faults": inject_faults}
+            "inject_faults": inject_faults,
+            # Keep drafting with all 12 requests running: the burst is to load the drafter.
+            "disable_by_batch_size": 0}
     jobs = [(i % len(code_prompts), 0.0 if i % 4 < 2 else 0.8, i % 2 == 1)
             for i in range(BURST)]
     with openai_server(model_dir, ["--speculative-config", json.dumps(spec)],

@@ -47,9 +47,12 @@ class MethodConfig:
     #: Verifying one more draft token costs this fraction of a forward (SmolLM2, fp32, 2 CPU
     #: cores: 0.055, benchmarks/replay.py). Sets where adaptive drafts stop paying.
     draft_token_cost: float = 0.055
-    #: No drafts while this many requests or more are running (0 = always draft): at large
-    #: batches verification costs more than it saves (measured crossover in README).
-    disable_by_batch_size: int = 0
+    #: No drafts while this many requests or more are running (0 = always draft): a batch's
+    #: forward costs more per extra token as it grows, so verification stops paying. Measured
+    #: on HumanEval with 16 prompts (benchmarks/results/codegen-batch-crossover-c*): at 4
+    #: concurrent requests every method was faster than plain (ngram 1.17x, pld 1.29x, rest
+    #: 1.15x, dresd 1.17x), at 8 none was (0.94x, 1.00x, 0.81x, 0.72x).
+    disable_by_batch_size: int = 6
     #: Testing aid, 0 in production: this fraction of draft attempts fails on purpose, in turn
     #: raising, drafting k + 1 tokens, drafting an id outside the vocabulary and overrunning the
     #: time budget, to show that such faults cost drafts, never the engine.

@@ -86,7 +86,10 @@ class DresdProposer(RetrievalProposer):
             search=self.config.search, verify_checksums=False)
         self.pool = ThreadPoolExecutor(self.config.search_threads,
                                        thread_name_prefix="dresd-search")
-        self.row_results: list[Future | tuple[np.ndarray, np.ndarray, int] | None] = []
+        #: This step's searches (futures until first consumed) and each batch row's
+        #: (chunk, row within chunk).
+        self.chunks: list[Future | tuple[np.ndarray, np.ndarray, int]] = []
+        self.row_chunk: list[tuple[int, int] | None] = []
         self.search_ns = 0
         self.search_wait_ns = 0
         # Compile the numba functions now rather than inside the first decoding step.
@@ -95,9 +98,12 @@ class DresdProposer(RetrievalProposer):
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         """``states[rows[i]]`` is the final hidden state that produced batch row i's last
-        sampled token (row -1: nothing was sampled). Projects them and starts the searches."""
+        sampled token (row -1: nothing was sampled). Projects them and starts the searches:
+        one batched search inline for a single request, else a few chunks in the thread pool,
+        so that rows whose chunk is done are voted while the rest is still searched."""
         valid = [i for i, row in enumerate(rows) if row >= 0]
-        self.row_results = [None] * len(rows)
+        self.row_chunk = [None] * len(rows)
+        self.chunks = []
         if not valid:
             return
         try:
@@ -106,33 +112,40 @@ class DresdProposer(RetrievalProposer):
             # No query, no draft: the engine goes on.
             self._fail("exception", "could not project hidden states", exc_info=True)
             return
-        if len(valid) == 1:
-            self.row_results[valid[0]] = self._search(queries)
-            return
-        for j, i in enumerate(valid):
-            self.row_results[i] = self.pool.submit(self._search, queries[j:j + 1])
+        num_chunks = 1 if len(valid) == 1 else min(len(valid), 2 * self.config.search_threads)
+        bounds = np.linspace(0, len(valid), num_chunks + 1).astype(int)
+        for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            chunk = queries[lo:hi]
+            self.chunks.append(self._search(chunk) if num_chunks == 1
+                               else self.pool.submit(self._search, chunk))
+            for j, i in enumerate(valid[lo:hi]):
+                self.row_chunk[i] = (c, j)
 
-    def _search(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def _search(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         start = time.perf_counter_ns()
-        neighbours, scores = self.index.search(query, self.config.top_n)
-        return neighbours[0], scores[0], time.perf_counter_ns() - start
+        neighbours, scores = self.index.search(queries, self.config.top_n)
+        return neighbours, scores, time.perf_counter_ns() - start
 
     def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
-        result = self.row_results[row] if row < len(self.row_results) else None
-        if result is None:
+        where = self.row_chunk[row] if row < len(self.row_chunk) else None
+        if where is None:
             return np.empty(0, dtype=np.int32)
+        c, j = where
+        result = self.chunks[c]
         if isinstance(result, Future):
             start = time.perf_counter_ns()
             # A search still running past the budget costs this request its draft (TimeoutError,
             # counted by the caller), not the step its time.
             result = result.result(timeout=self.budget_ns / 1e9 or None)
             self.search_wait_ns += time.perf_counter_ns() - start
-        else:
-            # Searched inline: all of it was waited for.
+            self.search_ns += result[2]
+            self.chunks[c] = result
+        elif j == 0:
+            # Searched inline (or counted already): an inline search was all waited for.
+            self.search_ns += result[2]
             self.search_wait_ns += result[2]
-        neighbours, scores, elapsed = result
-        self.search_ns += elapsed
-        return dresd_draft(self.index, neighbours, scores, int(context[-1]), max_len,
+        neighbours, scores, _ = result
+        return dresd_draft(self.index, neighbours[j], scores[j], int(context[-1]), max_len,
                            self.config)
 
     def stats(self) -> dict[str, int]:
