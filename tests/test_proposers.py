@@ -88,7 +88,9 @@ class ScriptedProposer(RetrievalProposer):
 
 
 def test_a_failing_draft_costs_one_request_one_step(datastore, caplog):
-    config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore})
+    # Six rows: keep drafting on at that batch size.
+    config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
+                          "disable_by_batch_size": 0})
     proposer = ScriptedProposer(config, [RuntimeError("boom"), [1, 2, 3, 4], [5, VOCAB],
                                          [-1], [7, 8], RuntimeError("again")])
     tokens, lengths = batch(*[[1, 2]] * 6)
