@@ -198,8 +198,8 @@ def build_dense_index(
     size bytes per token) and are deleted afterwards.
     """
     from vllm_retrieval_spec.datastore.dense import (
-        DENSE_DIR, MANIFEST_FILE, check_pca_dims, model_config_json, model_fingerprint,
-        write_dense_index)
+        DENSE_DIR, check_dense_replaceable, check_pca_dims, model_config_json,
+        model_fingerprint, write_dense_index)
     from vllm_retrieval_spec.datastore.format import load_datastore
 
     # Everything that can be wrong is checked before minutes of forward passes.
@@ -207,10 +207,7 @@ def build_dense_index(
         raise DatastoreError(f"overlap {overlap} must be in [0, window={window})")
     check_pca_dims(dims, model_config_json(Path(model))["hidden_size"])
     datastore = load_datastore(datastore_path)
-    if (Path(datastore_path) / DENSE_DIR / MANIFEST_FILE).exists() and not overwrite:
-        raise DatastoreError(
-            f"{Path(datastore_path) / DENSE_DIR} already holds a dense index; pass --overwrite to "
-            f"replace it")
+    check_dense_replaceable(Path(datastore_path) / DENSE_DIR, overwrite)
     fingerprint = model_fingerprint(model)
     windows, positions = _dense_windows(np.asarray(datastore.tokens), window, overlap)
     if not len(positions):

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import shutil
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -32,6 +30,7 @@ import numpy as np
 
 from vllm_retrieval_spec.config import DENSE_SEARCH_BACKENDS
 from vllm_retrieval_spec.datastore.format import (
+    atomic_datastore_dir,
     TOKENS_FILE,
     Datastore,
     DatastoreError,
@@ -348,6 +347,12 @@ def check_dense_files(path: Path, manifest: DenseManifest, *, verify_checksums: 
             raise DatastoreError(f"{file} is corrupt (sha256 differs); {DENSE_REBUILD_HINT}")
 
 
+def check_dense_replaceable(path: Path, overwrite: bool) -> None:
+    if (path / MANIFEST_FILE).exists() and not overwrite:
+        raise DatastoreError(
+            f"{path} already holds a dense index; pass --overwrite to replace it")
+
+
 def write_dense_index(
     datastore: Datastore,
     states: np.ndarray,
@@ -371,9 +376,7 @@ def write_dense_index(
     from tqdm import tqdm
 
     path = datastore.path / DENSE_DIR
-    if (path / MANIFEST_FILE).exists() and not overwrite:
-        raise DatastoreError(
-            f"{path} already holds a dense index; pass --overwrite to replace it")
+    check_dense_replaceable(path, overwrite)
     num_keys, hidden_size = states.shape
     if num_keys == 0:
         raise DatastoreError("no hidden states to index (every document is a single token?)")
@@ -381,10 +384,9 @@ def write_dense_index(
     sample_rows = np.sort(rng.choice(num_keys, size=min(fit_samples, num_keys), replace=False))
     projection = fit_projection(torch.from_numpy(np.asarray(states[sample_rows],
                                                             dtype=np.float32)), dims)
-    tmp = path.with_name(f"{DENSE_DIR}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    # The same temporary-directory-and-rename as a whole datastore: dense/ appears complete
+    # or not at all, and the REST files beside it are never touched.
+    with atomic_datastore_dir(path, overwrite=True) as tmp:
         keys = np.lib.format.open_memmap(tmp / KEYS_FILE, mode="w+", dtype=np.float16,
                                          shape=(num_keys, dims))
         chunk = 65536
@@ -413,16 +415,6 @@ def write_dense_index(
             tokens_sha256=datastore.manifest.files[TOKENS_FILE]["sha256"],
             files={name: describe_file(tmp / name) for name in files}, scann=settings)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
-        if path.exists():
-            old = path.with_name(f"{DENSE_DIR}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
