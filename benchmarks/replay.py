@@ -7,12 +7,16 @@ rules; confirm winners with ``vllm-rsd bench``.
 
     python -m vllm_retrieval_spec.benchmarks.replay benchmarks/results/RUN.plain.jsonl \
         --configs '[{"method": "pld"}, {"method": "rest", "datastore": "ds/stdlib"}]'
+
+``--grid '{"context_weight": [1, 2], "min_prefix_prob": [0.2, 0.3]}'`` replays every config
+with each combination; results are printed per task, one JSON line each.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -85,11 +89,19 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
     """The same pure drafting function the method's proposer calls in vLLM, per request."""
     from vllm_retrieval_spec.config import (
         DresdConfig, HybridConfig, PldConfig, PldPlusConfig, RestConfig)
+    from vllm_retrieval_spec.datastore.dense import dense_index_in_use
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
     from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
     from vllm_retrieval_spec.proposers.pld import pld_draft, pld_plus_draft
     from vllm_retrieval_spec.proposers.rest import rest_draft
 
+    if isinstance(config, HybridConfig) and dense_index_in_use(config.datastore, config.dense):
+        if model is None:
+            raise ValueError("replaying hybrid with a dense index needs --model for the states")
+        datastore = SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
+        return _dense_factory(config, _transformers_states(model), lambda index, queries: (
+            lambda context, n: hybrid_draft(datastore, context, n, config, index,
+                                            queries[len(context) - 2])))
     if isinstance(config, RestConfig):  # hybrid too: it extends REST
         datastore = SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
         draft = hybrid_draft if isinstance(config, HybridConfig) else rest_draft
@@ -104,7 +116,7 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
     if isinstance(config, DresdConfig):
         if model is None:
             raise ValueError("replaying dresd needs --model for the hidden states")
-        return _dresd_factory(config, _transformers_states(model))
+        return _dense_factory(config, _transformers_states(model), _dresd_draft_fn(config))
     raise ValueError(f"no replay for method {config.method!r}")
 
 
@@ -114,24 +126,33 @@ def _with_states(states: np.ndarray, config: Any, draft: Callable) -> DraftFn:
     return lambda context, n: draft(context, states[: len(context) - 1], n, config)
 
 
-def _dresd_factory(config: Any, states: TransformersStates) -> DraftFactory:
+def _dresd_draft_fn(config: Any) -> Callable[[Any, np.ndarray], DraftFn]:
+    from vllm_retrieval_spec.proposers.dresd import dresd_draft
+
+    def draft_fn(index: Any, queries: np.ndarray) -> DraftFn:
+        def draft(context: np.ndarray, n: int) -> np.ndarray:
+            neighbours, scores = index.search(queries[len(context) - 2][None], config.top_n)
+            return dresd_draft(index, neighbours[0], scores[0], int(context[-1]), n, config)
+
+        return draft
+
+    return draft_fn
+
+
+def _dense_factory(config: Any, states: TransformersStates,
+                   draft_fn: Callable[[Any, np.ndarray], DraftFn]) -> DraftFactory:
+    """Per record: every position's projected final state, handed to ``draft_fn(index,
+    queries)``; ``queries[len(context) - 2]`` is the state that produced the context's last
+    token."""
     import torch
 
     from vllm_retrieval_spec.datastore.dense import DenseIndex
-    from vllm_retrieval_spec.proposers.dresd import dresd_draft
 
     index = DenseIndex.from_path(config.datastore, search=config.search, verify_checksums=False)
 
     def make_draft(record: dict[str, list[int]]) -> DraftFn:
         final = states(record, len(states.hidden_layers) - 1, unit=False)
-        queries = index.projection(torch.from_numpy(final))
-
-        def draft(context: np.ndarray, n: int) -> np.ndarray:
-            # The state of the second-to-last token produced the last one.
-            neighbours, scores = index.search(queries[len(context) - 2][None], config.top_n)
-            return dresd_draft(index, neighbours[0], scores[0], int(context[-1]), n, config)
-
-        return draft
+        return draft_fn(index, index.projection(torch.from_numpy(final)))
 
     return make_draft
 
@@ -170,25 +191,40 @@ class TransformersStates:
         return unit_rows(states) if unit else states
 
 
+def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """``base`` with every combination of the ``grid`` values (the last key varies fastest)."""
+    names = list(grid)
+    return [{**base, **dict(zip(names, values))}
+            for values in itertools.product(*(grid[name] for name in names))]
+
+
 def main(argv: list[str] | None = None) -> None:
     from vllm_retrieval_spec.config import parse_speculative_config
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("outputs", help="<run>.plain.jsonl written by vllm-rsd bench")
+    parser.add_argument("outputs", nargs="+", help="<run>.plain.jsonl written by vllm-rsd bench")
     parser.add_argument("--configs", required=True,
                         help="JSON list of speculative_config dicts to compare")
+    parser.add_argument("--grid", default="{}",
+                        help='JSON {"option": [values, ...]}: replay each config with every '
+                             "combination of these values")
     parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens if not given")
     parser.add_argument("--model", help="model folder, for methods that rank by hidden states")
     parser.add_argument("--task", help="replay only this task's records")
     args = parser.parse_args(argv)
-    records = [r for r in load_records(args.outputs)
+    records = [r for path in args.outputs for r in load_records(path)
                if args.task is None or r.get("task", "code-gen") == args.task]
-    for options in json.loads(args.configs):
+    tasks = sorted({r.get("task", "code-gen") for r in records})
+    grid = json.loads(args.grid)
+    for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
         config = parse_speculative_config({"num_speculative_tokens": args.k, **options})
-        result = replay(records, draft_factory(config, args.model), config.num_speculative_tokens,
-                        config.draft_token_cost, config.adaptive_draft_len)
-        print(json.dumps({"config": options, **result}))
+        make_draft = draft_factory(config, args.model)
+        for task in tasks:
+            result = replay([r for r in records if r.get("task", "code-gen") == task],
+                            make_draft, config.num_speculative_tokens, config.draft_token_cost,
+                            config.adaptive_draft_len)
+            print(json.dumps({"task": task, "config": options, **result}), flush=True)
 
 
 if __name__ == "__main__":

@@ -259,19 +259,24 @@ def test_dresd_config_errors(options, message):
         parse_speculative_config({"method": "dresd", "num_speculative_tokens": 4, **options})
 
 
-def dresd_proposer(path, **options):
+def make_proposer(proposer_class, config):
     from types import SimpleNamespace
 
     from vllm_retrieval_spec.config import PLUGIN_KEY
-    from vllm_retrieval_spec.proposers.dresd import DresdProposer
 
-    config = parse_speculative_config({"method": "dresd", "num_speculative_tokens": 4,
-                                       "datastore": str(path), **options})
-    return DresdProposer(SimpleNamespace(
+    k = config.num_speculative_tokens
+    return proposer_class(SimpleNamespace(
         additional_config={PLUGIN_KEY: config.to_dict()},
-        speculative_config=SimpleNamespace(num_speculative_tokens=4),
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
         model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000,
                                      get_hidden_size=lambda: HIDDEN)))
+
+
+def dresd_proposer(path, **options):
+    from vllm_retrieval_spec.proposers.dresd import DresdProposer
+
+    return make_proposer(DresdProposer, parse_speculative_config(
+        {"method": "dresd", "num_speculative_tokens": 4, "datastore": str(path), **options}))
 
 
 def test_dresd_proposer_drafts_each_row_from_its_own_state(clustered_store):
@@ -314,3 +319,113 @@ def test_dresd_search_over_budget_costs_the_draft(clustered_store, monkeypatch):
     token_ids = np.asarray(proposer.index.tokens[:16].reshape(1, 16).repeat(2, 0))
     assert proposer.propose([[1], [1]], np.array([16, 16]), token_ids) == [[], []]
     assert proposer.stats()["failed_over_budget"] == 2
+
+
+def hybrid_config(path, **options):
+    return parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
+                                     "datastore": str(path), "min_prefix_prob": 0.0,
+                                     "prior_weight": 0.0, **options})
+
+
+@pytest.fixture
+def small_dense_store(tmp_path):
+    """Keys at positions 0 (doc 1), 5 (doc 2) and 10 (doc 3) all predicted token 2; the search
+    is replaced so that each test chooses the neighbours."""
+    path = make_store(tmp_path, [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7]])
+    index_store(path, np.eye(12, HIDDEN, dtype=np.float32), np.arange(12), dims=4)
+    index = DenseIndex.from_path(path)
+    index.calls = 0
+
+    def search(queries, top_n):
+        index.calls += 1
+        return np.array([[10, 0, -1]]), np.array([[0.9, 0.6, 0.0]], dtype=np.float32)
+
+    index.search = search
+    return path, index
+
+
+def test_hybrid_weighs_dense_neighbours_against_the_context(small_dense_store):
+    from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+    from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
+
+    path, index = small_dense_store
+    store = SuffixArrayDatastore.from_path(path)
+    query = np.zeros(4, dtype=np.float32)
+    # "9 2" occurred once before, followed by "8 8": a 2-token context match, weight 2 x 1.0.
+    # No suffix of the context is in the datastore. The dense neighbours that predicted 2
+    # vote 6 (similarity 0.9) and 3 (0.6), times dense_weight / top_n = dense_weight / 3.
+    context = np.array([9, 2, 8, 8, 9, 2], dtype=np.int32)
+    config = hybrid_config(path, context_weight=1.0, dense_weight=6.0, top_n=3)
+    assert hybrid_draft(store, context, 3, config, index, query).tolist() == [8, 8, 9]
+    config = hybrid_config(path, context_weight=1.0, dense_weight=7.0, top_n=3)
+    assert hybrid_draft(store, context, 3, config, index, query).tolist() == [6, 7]
+    # Without a query (nothing sampled) or with dense_weight 0 the context alone drafts.
+    assert hybrid_draft(store, context, 3, config, index, None).tolist() == [8, 8, 9]
+    config = hybrid_config(path, context_weight=1.0, dense_weight=0.0, top_n=3)
+    assert hybrid_draft(store, context, 3, config, index, query).tolist() == [8, 8, 9]
+    # The filter: neighbours that predicted 2 say nothing after a context ending in 3.
+    context = np.array([9, 3], dtype=np.int32)
+    config = hybrid_config(path, dense_weight=7.0, top_n=3)
+    assert hybrid_draft(store, context, 3, config, index, query).size == 0
+
+
+def test_hybrid_skips_the_dense_search_after_a_long_context_match(small_dense_store):
+    from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+    from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
+
+    path, index = small_dense_store
+    store = SuffixArrayDatastore.from_path(path)
+    query = np.zeros(4, dtype=np.float32)
+    context = np.array([8, 9, 2, 5, 8, 9, 2], dtype=np.int32)  # "8 9 2": a 3-token match
+    config = hybrid_config(path, dense_weight=1000.0, top_n=3, skip_datastore_match_len=3)
+    assert hybrid_draft(store, context, 3, config, index, query).tolist() == [5, 8, 9]
+    assert index.calls == 0
+    config = hybrid_config(path, dense_weight=1000.0, top_n=3, skip_datastore_match_len=4)
+    assert hybrid_draft(store, context, 3, config, index, query).tolist() == [6, 7]
+    assert index.calls == 1
+
+
+def test_hybrid_dense_modes(tmp_path):
+    from vllm_retrieval_spec.datastore.dense import dense_index_in_use
+
+    plain = make_store(tmp_path, [[1, 2, 3]], name="plain")
+    dense = make_store(tmp_path, [[1, 2, 3]], name="dense")
+    index_store(dense, np.eye(3, HIDDEN, dtype=np.float32), np.arange(3), dims=2)
+    assert dense_index_in_use(dense, "auto") and dense_index_in_use(dense, "on")
+    assert not dense_index_in_use(dense, "off") and not dense_index_in_use(plain, "auto")
+    with pytest.raises(DatastoreError, match=r"\['dense'\]='on' but .*plain has no dense index"):
+        dense_index_in_use(plain, "on")
+    with pytest.raises(ConfigError, match=r"'dense'\]='yes' is not one of \['auto', 'on', 'off'\]"):
+        hybrid_config(plain, dense="yes")
+
+
+def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store):
+    from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+    from vllm_retrieval_spec.proposers.hybrid import HybridProposer, hybrid_draft
+
+    path, states = clustered_store
+    # Only the dense source votes: the contexts are the store's own text, so its suffix array
+    # (and the context) would draft the same continuations whatever the state.
+    proposer = make_proposer(HybridProposer, hybrid_config(
+        path, num_speculative_tokens=4, context_weight=0.0, min_match_len=16))
+    index, store = proposer.dense, SuffixArrayDatastore.from_path(path)
+    tokens = index.tokens
+    contexts = [tokens[90:102], tokens[:5], tokens[3990:4002]]
+    token_ids = np.zeros((3, 16), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        token_ids[i, :len(c)] = c
+    proposer.record_last_hidden_states(
+        torch.from_numpy(np.stack([states[4000], states[100], states[0]])), [1, -1, 0])
+    drafts = proposer.propose([[5], [], [6]], np.array([12, 5, 12]), token_ids)
+    for row, state in ((0, states[100]), (2, states[4000])):
+        query = index.projection(torch.from_numpy(state[None]))[0]
+        expected = hybrid_draft(store, contexts[row], 4, proposer.config, index, query)
+        assert drafts[row] == expected.tolist()
+        # The key at the state's own position is its nearest neighbour: the corpus continues.
+        start = 102 if row == 0 else 4002
+        assert drafts[row] == tokens[start:start + 4].tolist()
+        # The other row's state would have drafted something else.
+        other = index.projection(torch.from_numpy(states[4100 - row * 2000][None]))[0]
+        assert hybrid_draft(store, contexts[row], 4, proposer.config, index,
+                            other).tolist() != drafts[row]
+    assert drafts[1] == []

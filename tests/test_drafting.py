@@ -38,6 +38,8 @@ def test_best_chain_follows_majority_and_stops_on_weak_evidence():
     assert best_chain(cands, lengths, w, 2, 0.0, 0.0).tolist() == [1, 2]
     # A prior of 4 pseudo-votes halves every estimate.
     assert best_chain(cands, lengths, w, 8, 0.3, 4.0).tolist() == [1, 2]
+    # Candidates without any vote and no prior: no evidence, no draft (not a division by 0).
+    assert best_chain(cands, lengths, np.zeros(4), 8, 0.0, 0.0).size == 0
 
 
 def test_weights_override_counts():

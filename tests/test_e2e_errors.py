@@ -91,19 +91,26 @@ def test_pld_plus_layer_beyond_the_model(model_dir):
             speculative_config={"method": "pld_plus", "num_speculative_tokens": 8, "layer": 31})
 
 
-def start_dresd(model_dir, datastore):
+def start_dense(model_dir, datastore, method="dresd", **spec):
     from vllm import LLM
 
     return LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=2048,
-               speculative_config={"method": "dresd", "num_speculative_tokens": 8,
-                                   "datastore": str(datastore)})
+               speculative_config={"method": method, "num_speculative_tokens": 8,
+                                   "datastore": str(datastore), **spec})
 
 
 def test_dresd_without_dense_index(model_dir, code_datastore):
     with pytest.raises(DatastoreError, match=r"has no dense index .* which method 'dresd' "
                                              r"needs; rebuild it with `vllm-rsd "
                                              r"build-datastore --dense`"):
-        start_dresd(model_dir, code_datastore)
+        start_dense(model_dir, code_datastore)
+
+
+def test_hybrid_dense_on_without_dense_index(model_dir, code_datastore):
+    with pytest.raises(DatastoreError, match=r"\['dense'\]='on' but .* has no dense index; "
+                                             r"rebuild it with `vllm-rsd build-datastore "
+                                             r"--dense` -o .*, or use dense 'auto'"):
+        start_dense(model_dir, code_datastore, "hybrid", dense="on")
 
 
 @pytest.fixture
@@ -118,19 +125,20 @@ def edit_dense_manifest(store, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
-def test_dresd_index_of_another_model(model_dir, dense_copy):
+@pytest.mark.parametrize("method", ["dresd", "hybrid"])
+def test_dense_index_of_another_model(model_dir, dense_copy, method):
     edit_dense_manifest(dense_copy, model_name="other-model", model_fingerprint="0" * 64)
     with pytest.raises(DatastoreError, match=r"was built from another model: it records "
                                              r"'other-model' with fingerprint 0+, the model "
                                              r"being served has fingerprint [0-9a-f]{64}"):
-        start_dresd(model_dir, dense_copy)
+        start_dense(model_dir, dense_copy, method)
 
 
 def test_dresd_index_of_another_hidden_size(model_dir, dense_copy):
     edit_dense_manifest(dense_copy, hidden_size=1024)
     with pytest.raises(DatastoreError, match=r"holds states of hidden size 1024 .* the model "
                                              r"being served has hidden size 576"):
-        start_dresd(model_dir, dense_copy)
+        start_dense(model_dir, dense_copy)
 
 
 @pytest.mark.parametrize("dims", ["0", "577"])

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.e2e
 def spec_llm(request, model_dir, plain_outputs):
     """One engine per method, alive while that method's tests run (pytest groups them)."""
     spec = {"method": request.param, "num_speculative_tokens": K}
-    if request.param in ("rest", "hybrid"):
+    if request.param == "rest":
         spec["datastore"] = request.getfixturevalue("code_datastore")
-    if request.param == "dresd":
+    if request.param in ("dresd", "hybrid"):  # hybrid with all three sources
         spec["datastore"] = request.getfixturevalue("dense_datastore")
     llm = make_llm(model_dir, spec)
     yield llm

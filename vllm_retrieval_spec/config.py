@@ -24,6 +24,8 @@ PLUGIN_KEY = "vllm_retrieval_spec"
 MAX_SPECULATIVE_TOKENS = 64
 #: How DReSD searches its dense index (see datastore.dense).
 DENSE_SEARCH_BACKENDS = ("auto", "exact", "scann")
+#: Whether hybrid drafting searches the dense index too.
+HYBRID_DENSE_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -163,12 +165,32 @@ class PldPlusConfig(MethodConfig):
 
 
 @dataclass(frozen=True)
-class HybridConfig(RestConfig):
-    """The request's own context and a REST datastore, voted in one trie (the best of both).
+class DenseSearchConfig(TrieDraftConfig):
+    """How a dense index is searched (DReSD, and hybrid's dense source)."""
 
-    Weights make the sources comparable: all occurrences of a context match share
-    ``context_weight`` x match length each, and all datastore continuations share the datastore's
-    match length (so a datastore with many occurrences does not drown one context occurrence).
+    #: Nearest neighbours retrieved per step, before the next-token filter.
+    top_n: int = 32
+    #: "exact" (matmul over all keys), "scann", or "auto" (ScaNN where the store has a searcher).
+    search: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range(self, "top_n", 1, 4096)
+        if self.search not in DENSE_SEARCH_BACKENDS:
+            raise ConfigError(
+                f"speculative_config['search']={self.search!r} is not one of "
+                f"{list(DENSE_SEARCH_BACKENDS)}")
+
+
+@dataclass(frozen=True)
+class HybridConfig(RestConfig, DenseSearchConfig):
+    """The request's own context, the datastore's suffix array and, when the datastore has one,
+    its dense index, voted in one trie (the best of all three).
+
+    Weights make the sources comparable (``proposers.hybrid.hybrid_draft``): each occurrence of
+    the context match votes ``context_weight`` x match length, the datastore's suffix matches
+    share its match length, and the dense neighbours that pass the next-token filter share
+    ``dense_weight`` x their similarity / ``top_n``.
     """
 
     method: ClassVar[str] = "hybrid"
@@ -182,6 +204,10 @@ class HybridConfig(RestConfig):
     context_weight: float = 2.0
     #: A context match at least this long is trusted alone: the datastore is not searched.
     skip_datastore_match_len: int = 3
+    #: Search the datastore's dense index too: "auto" (when it has one), "on" (it must), "off".
+    dense: str = "auto"
+    #: Total vote of the dense neighbours when all ``top_n`` pass the filter with similarity 1.
+    dense_weight: float = 4.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -189,10 +215,15 @@ class HybridConfig(RestConfig):
         _check_range(self, "context_max_match_len", self.context_min_match_len, 64)
         _check_range(self, "context_weight", 0.0, 1e6)
         _check_range(self, "skip_datastore_match_len", 1, 65)
+        _check_range(self, "dense_weight", 0.0, 1e6)
+        if self.dense not in HYBRID_DENSE_MODES:
+            raise ConfigError(
+                f"speculative_config['dense']={self.dense!r} is not one of "
+                f"{list(HYBRID_DENSE_MODES)}")
 
 
 @dataclass(frozen=True)
-class DresdConfig(TrieDraftConfig):
+class DresdConfig(DenseSearchConfig):
     """DReSD (arXiv 2502.15572): the last hidden state, projected (z-norm, PCA, L2), searched in
     a dense index; neighbours whose stored next token is the token just emitted vote their
     continuations."""
@@ -202,10 +233,6 @@ class DresdConfig(TrieDraftConfig):
 
     #: Datastore directory with a dense index (``vllm-rsd build-datastore --dense``).
     datastore: str = ""
-    #: Nearest neighbours retrieved per step, before the next-token filter.
-    top_n: int = 32
-    #: "exact" (matmul over all keys), "scann", or "auto" (ScaNN where the store has a searcher).
-    search: str = "auto"
     #: Lower than REST's 0.3: the similarity-weighted votes of a few neighbours are rarely
     #: unanimous. 0.2 beat 0.1, 0.25, 0.3 and 0.4 replaying HumanEval prompts 20-39 against the
     #: model's own answers to prompts 40-163.
@@ -220,12 +247,7 @@ class DresdConfig(TrieDraftConfig):
                 "speculative_config['datastore'] is required for method 'dresd': a directory "
                 "built with `vllm-rsd build-datastore --dense`")
         super().__post_init__()
-        _check_range(self, "top_n", 1, 4096)
         _check_range(self, "search_threads", 1, 64)
-        if self.search not in DENSE_SEARCH_BACKENDS:
-            raise ConfigError(
-                f"speculative_config['search']={self.search!r} is not one of "
-                f"{list(DENSE_SEARCH_BACKENDS)}")
 
 
 METHODS: dict[str, type[MethodConfig]] = {

@@ -40,6 +40,7 @@ from vllm_retrieval_spec.config import (
     PLUGIN_KEY,
     ConfigError,
     DresdConfig,
+    HybridConfig,
     MethodConfig,
     PldPlusConfig,
     parse_speculative_config,
@@ -211,6 +212,8 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
         return
     from transformers import AutoTokenizer
 
+    from vllm_retrieval_spec.datastore.dense import (
+        check_dense_index, dense_index_in_use, model_fingerprint)
     from vllm_retrieval_spec.datastore.format import load_datastore, tokenizer_fingerprint
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -218,9 +221,8 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
         revision=model_config.tokenizer_revision,
         trust_remote_code=model_config.trust_remote_code,
     )
-    if isinstance(config, DresdConfig):
-        from vllm_retrieval_spec.datastore.dense import check_dense_index, model_fingerprint
-
+    if isinstance(config, DresdConfig) or (
+            isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense)):
         check_dense_index(
             datastore, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
             hidden_size=model_config.get_hidden_size(),

@@ -266,6 +266,19 @@ def build_scann(keys: np.ndarray, directory: Path, settings: dict[str, Any]) -> 
     searcher.serialize(str(directory))
 
 
+def dense_index_in_use(datastore: str | Path, mode: str) -> bool:
+    """Whether hybrid drafting searches ``datastore``'s dense index; ``mode`` is its ``dense``
+    option: "auto" (when there is one), "on" (there must be one) or "off"."""
+    if mode == "off":
+        return False
+    present = (Path(datastore) / DENSE_DIR).is_dir()
+    if mode == "on" and not present:
+        raise DatastoreError(
+            f"speculative_config['dense']='on' but {datastore} has no dense index; "
+            f"{DENSE_REBUILD_HINT} -o {datastore}, or use dense 'auto'")
+    return present
+
+
 def check_dense_index(
     datastore_path: str | Path,
     *,

@@ -29,7 +29,11 @@ def generate_corpus(model: str, conversations: list[list[dict[str, str]]], outpu
         raise ValueError("no prompts to answer")
     llm = LLM(model=model, enforce_eager=True, seed=seed, **(engine_kwargs or {}))
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-    results = llm.chat(conversations, params, use_tqdm=True)
+    try:
+        results = llm.chat(conversations, params, use_tqdm=True)
+    finally:
+        # Left to interpreter exit, the engine process can keep the CLI waiting forever.
+        llm.llm_engine.engine_core.shutdown()
     temporary = output.with_name(f"{output.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "w") as f:

@@ -85,6 +85,9 @@ def best_chain(
         return np.empty(0, dtype=np.int32)
     _, token, weight, first_child, next_sibling, _ = build_trie(candidates, lengths, weights)
     denominator = weight[0] + prior_weight
+    if denominator <= 0:
+        # Nothing has a vote (e.g. a source weighted 0 and no prior): no evidence, no draft.
+        return np.empty(0, dtype=np.int32)
     chain = np.empty(max_len, dtype=np.int32)
     n = 0
     node = 0

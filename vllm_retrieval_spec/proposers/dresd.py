@@ -67,6 +67,17 @@ def dresd_draft(index: DenseIndex, neighbours: np.ndarray, scores: np.ndarray, e
                       config.prior_weight)
 
 
+def project_last_states(index: DenseIndex, states: Any,
+                        rows: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Queries for the batch rows that sampled a token: ``states[rows[i]]`` produced row i's
+    last token (row -1: nothing sampled). Returns (unit queries float32 [m, d], the m batch
+    rows they belong to)."""
+    valid = [i for i, row in enumerate(rows) if row >= 0]
+    if not valid:
+        return np.empty((0, index.manifest.dims), dtype=np.float32), valid
+    return index.projection(states[[rows[i] for i in valid]]), valid
+
+
 class DresdProposer(RetrievalProposer):
     """Projects the batch's last hidden states (``record_last_hidden_states``, called by the
     plugin each step before ``propose``), searches them, and drafts per request.
@@ -101,16 +112,15 @@ class DresdProposer(RetrievalProposer):
         sampled token (row -1: nothing was sampled). Projects them and starts the searches:
         one batched search inline for a single request, else a few chunks in the thread pool,
         so that rows whose chunk is done are voted while the rest is still searched."""
-        valid = [i for i, row in enumerate(rows) if row >= 0]
         self.row_chunk = [None] * len(rows)
         self.chunks = []
-        if not valid:
-            return
         try:
-            queries = self.index.projection(states[[rows[i] for i in valid]])
+            queries, valid = project_last_states(self.index, states, rows)
         except Exception:
             # No query, no draft: the engine goes on.
             self._fail("exception", "could not project hidden states", exc_info=True)
+            return
+        if not valid:
             return
         num_chunks = 1 if len(valid) == 1 else min(len(valid), 2 * self.config.search_threads)
         bounds = np.linspace(0, len(valid), num_chunks + 1).astype(int)

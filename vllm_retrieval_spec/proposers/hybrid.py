@@ -1,17 +1,24 @@
-"""Hybrid drafting: the request's own context (PLD) and a REST datastore in one weighted trie.
+"""Hybrid drafting: the request's own context (PLD), a REST suffix array and a DReSD dense index
+in one weighted trie.
 
-Neither source alone is the best drafter: the context knows the request's names and the text it
-is rewriting, the datastore knows the language's common phrasing. Candidates from both are
-merged in one trie with comparable weights and the best-supported chain is drafted.
+No source alone is the best drafter: the context knows the request's names and the text it is
+rewriting, the suffix array knows the corpus's exact phrasing, the dense index finds corpus
+positions where the model was in a similar state even when the last tokens differ. Candidates
+from every source are merged in one trie with comparable weights and the best-supported chain
+is drafted. A long context match is trusted alone: the datastore is then not searched at all.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from vllm_retrieval_spec.config import HybridConfig
+from vllm_retrieval_spec.datastore.dense import DenseIndex, dense_index_in_use
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.tree import best_chain
+from vllm_retrieval_spec.proposers.dresd import matching_continuations, project_last_states
 from vllm_retrieval_spec.proposers.pld import find_context_matches
 from vllm_retrieval_spec.proposers.rest import RestProposer
 
@@ -27,7 +34,13 @@ def source_weights(num_candidates: int, match_len: int, weight_per_token: float,
 
 
 def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: int,
-                 config: HybridConfig) -> np.ndarray:
+                 config: HybridConfig, dense: DenseIndex | None = None,
+                 query: np.ndarray | None = None) -> np.ndarray:
+    """The best chain of every source's candidates.
+
+    ``query`` is the projected final hidden state that produced ``context[-1]``; the dense
+    index is searched only when both it and ``dense`` are given and the context match is short.
+    """
     context_cands, context_lengths, context_n = find_context_matches(
         context, config.context_min_match_len, config.context_max_match_len,
         config.max_occurrences, max_len)
@@ -44,15 +57,56 @@ def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: 
         lengths.append(store_lengths)
         # Occurrences in a large corpus are many and alike: together they weigh as one source.
         weights.append(source_weights(len(store_cands), store_n, 1.0, True))
+        if dense is not None and query is not None:
+            neighbours, scores = dense.search(query[None], config.top_n)
+            dense_cands, dense_lengths, similarity = matching_continuations(
+                dense.tokens, dense.positions, neighbours[0], scores[0], int(context[-1]),
+                max_len)
+            candidates.append(dense_cands)
+            lengths.append(dense_lengths)
+            # Dividing by top_n, not by the survivors: the share of neighbours that pass the
+            # next-token filter is itself evidence that the state is a familiar one.
+            weights.append(config.dense_weight * similarity / config.top_n)
     return best_chain(np.concatenate(candidates), np.concatenate(lengths),
                       np.concatenate(weights), max_len, config.min_prefix_prob,
                       config.prior_weight)
 
 
 class HybridProposer(RestProposer):
-    """REST's datastore handling; only the drafting rule differs."""
+    """REST's datastore handling, plus the dense index when there is one (its queries come from
+    ``record_last_hidden_states``, called by the plugin each step before ``propose``)."""
 
     config: HybridConfig
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+        self.dense = DenseIndex.from_path(
+            self.config.datastore, hidden_size=vllm_config.model_config.get_hidden_size(),
+            search=self.config.search, verify_checksums=False) \
+            if dense_index_in_use(self.config.datastore, self.config.dense) else None
+        self.queries = np.empty((0, 0), dtype=np.float32)
+        #: Batch row -> its query's index in ``queries`` (this step's rows that sampled).
+        self.row_query: dict[int, int] = {}
+        if self.dense is not None:
+            # Compile the dense path now rather than inside the first decoding step.
+            hybrid_draft(self.datastore, np.arange(4, dtype=np.int32), self.k, self.config,
+                         self.dense, np.zeros(self.dense.manifest.dims, dtype=np.float32))
+
+    def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
+        if self.dense is None:
+            return
+        try:
+            self.queries, valid = project_last_states(self.dense, states, rows)
+            self.row_query = {row: q for q, row in enumerate(valid)}
+        except Exception:
+            # No query, no dense candidates: the other sources still draft.
+            self.row_query = {}
+            self._fail("exception", "could not project hidden states", exc_info=True)
+
+    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+        q = self.row_query.get(row)
+        return hybrid_draft(self.datastore, context, max_len, self.config, self.dense,
+                            None if q is None else self.queries[q])
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
         return hybrid_draft(self.datastore, context, max_len, self.config)
