@@ -199,15 +199,22 @@ class HybridConfig(RestConfig, DenseSearchConfig):
     #: Context suffixes from ``context_max_match_len`` down to ``context_min_match_len``.
     context_min_match_len: int = 2
     context_max_match_len: int = 16
-    #: Vote of one context occurrence per matched token, relative to the datastore's. 2 beat
-    #: 0.5, 1 and 4 when replaying HumanEval prompts 20-39 with either datastore.
-    context_weight: float = 2.0
+    #: Defaults below were tuned together by replaying plain outputs of prompts 20-39 of every
+    #: task (code-gen, code-edit, summarize, chat) against the model's own answers to prompts
+    #: 40 and up (benchmarks/results/hybrid-tuning.md); the best geometric mean of modelled
+    #: speedup over the four tasks won, on a plateau: neighbours were within 1%.
+    #: Lower than REST's 0.3 and a weaker prior: three sources rarely agree unanimously.
+    min_prefix_prob: float = 0.2
+    prior_weight: float = 1.0
+    #: Vote of one context occurrence per matched token, relative to the suffix array's.
+    context_weight: float = 4.0
     #: A context match at least this long is trusted alone: the datastore is not searched.
     skip_datastore_match_len: int = 3
     #: Search the datastore's dense index too: "auto" (when it has one), "on" (it must), "off".
     dense: str = "auto"
     #: Total vote of the dense neighbours when all ``top_n`` pass the filter with similarity 1.
-    dense_weight: float = 4.0
+    #: High because it is divided by ``top_n`` and only neighbours that pass the filter vote.
+    dense_weight: float = 32.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
