@@ -176,10 +176,7 @@ class DenseSearchConfig(TrieDraftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_range(self, "top_n", 1, 4096)
-        if self.search not in DENSE_SEARCH_BACKENDS:
-            raise ConfigError(
-                f"speculative_config['search']={self.search!r} is not one of "
-                f"{list(DENSE_SEARCH_BACKENDS)}")
+        _check_choice(self, "search", DENSE_SEARCH_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -201,7 +198,7 @@ class HybridConfig(RestConfig, DenseSearchConfig):
     context_max_match_len: int = 16
     #: Defaults below were tuned together by replaying plain outputs of prompts 20-39 of every
     #: task (code-gen, code-edit, summarize, chat) against the model's own answers to prompts
-    #: 40 and up (benchmarks/results/hybrid-tuning.md); the best geometric mean of modelled
+    #: 40 and up (benchmarks/results/tuning/hybrid-tuning.md); the best geometric mean of modelled
     #: speedup over the four tasks won, on a plateau: neighbours were within 1%.
     #: Lower than REST's 0.3 and a weaker prior: three sources rarely agree unanimously.
     min_prefix_prob: float = 0.2
@@ -223,10 +220,7 @@ class HybridConfig(RestConfig, DenseSearchConfig):
         _check_range(self, "context_weight", 0.0, 1e6)
         _check_range(self, "skip_datastore_match_len", 1, 65)
         _check_range(self, "dense_weight", 0.0, 1e6)
-        if self.dense not in HYBRID_DENSE_MODES:
-            raise ConfigError(
-                f"speculative_config['dense']={self.dense!r} is not one of "
-                f"{list(HYBRID_DENSE_MODES)}")
+        _check_choice(self, "dense", HYBRID_DENSE_MODES)
 
 
 @dataclass(frozen=True)
@@ -319,3 +313,9 @@ def _check_range(config: MethodConfig, name: str, low: float, high: float) -> No
             f"speculative_config[{name!r}]={value!r} is out of range for method "
             f"{config.method!r}: must be in [{low}, {high}]"
         )
+
+
+def _check_choice(config: MethodConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise ConfigError(f"speculative_config[{name!r}]={value!r} is not one of {list(choices)}")
