@@ -36,12 +36,14 @@ DRAFT_TOKEN_COST = 0.055
 
 
 def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int,
-           draft_token_cost: float = DRAFT_TOKEN_COST, adaptive: bool = False) -> dict[str, float]:
+           draft_token_cost: float = DRAFT_TOKEN_COST, adaptive: bool = False,
+           min_draft_len: int = 1) -> dict[str, float]:
     """Walk every recorded output as the engine would with ``draft``; summarise.
 
     ``modeled_speedup`` = tokens per forward / (1 + ``draft_token_cost`` x mean draft length):
     a forward verifying more tokens takes longer, so long weak drafts lose time. ``adaptive``
-    caps each draft by the record's acceptance so far, as the proposers do in vLLM.
+    caps each draft by the record's acceptance so far, as the proposers do in vLLM; drafts
+    shorter than ``min_draft_len`` are dropped, as there.
     """
     from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker
 
@@ -56,8 +58,10 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
         forwards += 1
         while position < len(output):
             start = time.perf_counter_ns()
-            max_len = tracker.cap(str(n)) if adaptive else k
+            max_len = min(k, max(tracker.cap(str(n)), min_draft_len)) if adaptive else k
             proposal = draft(sequence[: len(prompt) + position], max_len)
+            if len(proposal) < min(min_draft_len, max_len):
+                proposal = proposal[:0]
             draft_ns.append(time.perf_counter_ns() - start)
             truth = output[position:position + len(proposal)]
             accepted = 0
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         for task in tasks:
             result = replay([r for r in records if r.get("task", "code-gen") == task],
                             make_draft, config.num_speculative_tokens, config.draft_token_cost,
-                            config.adaptive_draft_len)
+                            config.adaptive_draft_len, config.min_draft_len)
             print(json.dumps({"task": task, "config": options, **result}), flush=True)
 
 

@@ -52,9 +52,15 @@ def test_caps_shrink_for_a_request_whose_drafts_fail():
         p.observe_batch(["bad", "good"])
         # "bad" got 0 of its draft accepted (one token sampled), "good" all 8 (+1 bonus).
         drafts = p.propose([[6], [6] * 9], lengths, tokens)
-    assert len(drafts[0]) == 1 and len(drafts[1]) == 8
+    # Capped at min_draft_len (3): a lone draft token costs more than three on vLLM-CPU.
+    assert len(drafts[0]) == 3 and len(drafts[1]) == 8
     p.observe_batch(["good"])  # "bad" finished: its state goes
     assert set(p.last_draft_len) == {"good"} and set(p.acceptance.rates) == {"good"}
+    p = proposer(min_draft_len=1)
+    for _ in range(6):
+        p.observe_batch(["bad"])
+        drafts = p.propose([[6]], lengths[:1], tokens[:1])
+    assert len(drafts[0]) == 1
 
 
 def test_without_request_ids_or_with_adaptation_off_drafts_are_not_capped():
@@ -66,6 +72,22 @@ def test_without_request_ids_or_with_adaptation_off_drafts_are_not_capped():
     for _ in range(5):
         p.observe_batch(["a"])
         assert len(p.propose([[6]], lengths, tokens)[0]) == 8
+
+
+class OneTokenProposer(RetrievalProposer):
+    def draft(self, context, max_len):
+        return np.array([7], dtype=np.int32)
+
+
+def test_drafts_shorter_than_min_draft_len_are_dropped():
+    tokens, lengths = batch([5, 6], width=16)
+    config = {"method": "pld", "num_speculative_tokens": 8}
+    assert OneTokenProposer(vllm_config(config)).propose([[6]], lengths, tokens) == [[]]
+    one = OneTokenProposer(vllm_config({**config, "min_draft_len": 1}))
+    assert one.propose([[6]], lengths, tokens) == [[7]]
+    # k = 1 allows nothing longer: the minimum is capped by it.
+    k1 = OneTokenProposer(vllm_config({**config, "num_speculative_tokens": 1}))
+    assert k1.propose([[6]], lengths, tokens) == [[7]]
 
 
 def test_drafting_stops_at_the_batch_size_limit():

@@ -38,6 +38,12 @@ def test_best_chain_follows_majority_and_stops_on_weak_evidence():
     assert best_chain(cands, lengths, w, 2, 0.0, 0.0).tolist() == [1, 2]
     # A prior of 4 pseudo-votes halves every estimate.
     assert best_chain(cands, lengths, w, 8, 0.3, 4.0).tolist() == [1, 2]
+    # min_len: a chain the evidence cuts short is extended along the heaviest path (8 8 8 8
+    # has 1/4 of the vote, below 0.5, but follows once the chain has started), never started.
+    assert best_chain(cands, lengths, w, 8, 0.8, 0.0, 3).size == 0
+    assert best_chain(cands, lengths, w, 8, 0.6, 0.0, 3).tolist() == [1, 2, 3]
+    assert best_chain(cands, lengths, w, 8, 0.6, 0.0, 6).tolist() == [1, 2, 3, 4]  # trie ends
+    assert best_chain(cands, lengths, w, 2, 0.6, 0.0, 6).tolist() == [1, 2]  # max_len rules
     # Candidates without any vote and no prior: no evidence, no draft (not a division by 0).
     assert best_chain(cands, lengths, np.zeros(4), 8, 0.0, 0.0).size == 0
 

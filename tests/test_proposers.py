@@ -92,10 +92,10 @@ def test_a_failing_draft_costs_one_request_one_step(datastore, caplog):
     config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
                           "disable_by_batch_size": 0})
     proposer = ScriptedProposer(config, [RuntimeError("boom"), [1, 2, 3, 4], [5, VOCAB],
-                                         [-1], [7, 8], RuntimeError("again")])
+                                         [-1], [7, 8, 9], RuntimeError("again")])
     tokens, lengths = batch(*[[1, 2]] * 6)
     drafts = proposer.propose([[2]] * 6, lengths, tokens)
-    assert drafts == [[], [], [], [], [7, 8], []]
+    assert drafts == [[], [], [], [], [7, 8, 9], []]
     assert proposer.num_failed_drafts == 5
     assert proposer.stats() == {"failed_exception": 2, "failed_too_long": 1,
                                 "failed_out_of_vocabulary": 2}
@@ -114,7 +114,7 @@ class SlowProposer(RetrievalProposer):
 
 def test_a_draft_over_its_time_budget_is_dropped(datastore, caplog):
     config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
-                          "draft_budget_ms": 10.0})
+                          "draft_budget_ms": 10.0, "min_draft_len": 1})
     proposer = SlowProposer(config)
     tokens, lengths = batch([1, 9], [1, 2], [1, 9])
     assert proposer.propose([[9], [2], [9]], lengths, tokens) == [[], [1], []]

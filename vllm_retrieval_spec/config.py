@@ -55,6 +55,14 @@ class MethodConfig:
     #: concurrent requests every method was faster than plain (ngram 1.17x, pld 1.29x, rest
     #: 1.15x, dresd 1.17x), at 8 none was (0.94x, 1.00x, 0.81x, 0.72x).
     disable_by_batch_size: int = 6
+    #: Drafts are empty or at least this long (capped by k): shorter ones are extended along
+    #: the trie's heaviest path where the method has one, else dropped. On vLLM-CPU a step
+    #: verifying 1 draft token took 83 ms against 65 ms for none and 59-65 ms for 2-4 (SmolLM2,
+    #: fp32, 50-token context, medians of 3; 700 tokens: 86 / 81 / 71-76 ms), so a lone draft
+    #: token is the costliest draft there is; 3 rather than 2 because it costs no more and
+    #: replay on prompts 20-39 gives more tokens per forward (hybrid, summarize: 1.76 at 1, 1.79
+    #: at 2, 1.82 at 3). Set 1 where a lone token is cheap (GPUs).
+    min_draft_len: int = 3
     #: Testing aid, 0 in production: this fraction of draft attempts fails on purpose, in turn
     #: raising, drafting k + 1 tokens, drafting an id outside the vocabulary and overrunning the
     #: time budget, to show that such faults cost drafts, never the engine.
@@ -65,6 +73,7 @@ class MethodConfig:
         _check_range(self, "draft_budget_ms", 0.0, 1e4)
         _check_range(self, "draft_token_cost", 0.0, 1.0)
         _check_range(self, "disable_by_batch_size", 0, 1 << 20)
+        _check_range(self, "min_draft_len", 1, MAX_SPECULATIVE_TOKENS)
         _check_range(self, "inject_faults", 0.0, 1.0)
 
     def to_dict(self) -> dict[str, Any]:

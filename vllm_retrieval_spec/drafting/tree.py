@@ -75,8 +75,14 @@ def best_chain(
     max_len: int,
     min_prefix_prob: float,
     prior_weight: float,
+    min_len: int = 1,
 ) -> np.ndarray:
     """The heaviest root-to-leaf walk of the candidates' trie, cut by the evidence rule.
+
+    A chain the rule cuts shorter than ``min_len`` (but not empty) is extended along the
+    heaviest children to ``min_len`` tokens, or to where the trie ends: on vLLM-CPU verifying a
+    1-token draft costs as much as an 8-token one, and 2-4 tokens cost no more than none (see
+    ``MethodConfig.min_draft_len``), so the extra tokens are free chances.
 
     Ties between siblings go to the token seen first in ``candidates`` (row order), which keeps
     the result deterministic across runs and tensor-parallel ranks.
@@ -100,7 +106,8 @@ def best_chain(
             if best == NO_NODE or weight[child] >= weight[best]:
                 best = child
             child = next_sibling[child]
-        if best == NO_NODE or weight[best] / denominator < min_prefix_prob:
+        if best == NO_NODE or (weight[best] / denominator < min_prefix_prob
+                               and (n == 0 or n >= min_len)):
             break
         chain[n] = token[best]
         n += 1

@@ -98,7 +98,9 @@ class RetrievalProposer:
                 # plus one the target model chose itself.
                 self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
                                        len(sampled) - 1)
-                max_len = min(max_len, self.acceptance.cap(req_id))
+                # Never below the shortest draft worth sending (min_draft_len).
+                max_len = min(max_len, max(self.acceptance.cap(req_id),
+                                           self.config.min_draft_len))
             draft = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
                 if max_len > 0 else []
             if req_id is not None:
@@ -147,6 +149,9 @@ class RetrievalProposer:
         if len(draft) and (draft.min() < 0 or draft.max() >= self.vocab_size):
             self._fail("out_of_vocabulary",
                        f"returned token ids outside [0, {self.vocab_size}): {draft.tolist()}")
+            return []
+        if len(draft) < min(self.config.min_draft_len, max_len):
+            # Costs more to verify than it can save (MethodConfig.min_draft_len).
             return []
         return draft.tolist()
 

@@ -64,7 +64,7 @@ def dresd_draft(index: DenseIndex, neighbours: np.ndarray, scores: np.ndarray, e
     cands, lengths, weights = matching_continuations(
         index.tokens, index.positions, neighbours, scores, emitted, max_len)
     return best_chain(cands, lengths, weights, max_len, config.min_prefix_prob,
-                      config.prior_weight)
+                      config.prior_weight, config.min_draft_len)
 
 
 def project_last_states(index: DenseIndex, states: Any,

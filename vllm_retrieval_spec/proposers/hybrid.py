@@ -69,7 +69,7 @@ def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: 
             weights.append(config.dense_weight * similarity / config.top_n)
     return best_chain(np.concatenate(candidates), np.concatenate(lengths),
                       np.concatenate(weights), max_len, config.min_prefix_prob,
-                      config.prior_weight)
+                      config.prior_weight, config.min_draft_len)
 
 
 class HybridProposer(RestProposer):

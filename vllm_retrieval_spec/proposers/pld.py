@@ -67,7 +67,7 @@ def pld_draft(context: np.ndarray, max_len: int, config: PldConfig) -> np.ndarra
     candidates, lengths, _ = find_context_matches(
         context, config.min_match_len, config.max_match_len, config.max_occurrences, max_len)
     return best_chain(candidates, lengths, np.ones(len(candidates)), max_len,
-                      config.min_prefix_prob, config.prior_weight)
+                      config.min_prefix_prob, config.prior_weight, config.min_draft_len)
 
 
 class PldProposer(RetrievalProposer):

@@ -25,7 +25,7 @@ def rest_draft(
     )
     # Every occurrence of the same suffix is equally good evidence: one vote each.
     return best_chain(candidates, lengths, np.ones(len(candidates)), max_len,
-                      config.min_prefix_prob, config.prior_weight)
+                      config.min_prefix_prob, config.prior_weight, config.min_draft_len)
 
 
 class RestProposer(RetrievalProposer):
