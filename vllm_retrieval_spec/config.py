@@ -57,11 +57,12 @@ class MethodConfig:
     disable_by_batch_size: int = 6
     #: Drafts are empty or at least this long (capped by k): shorter ones are extended along
     #: the trie's heaviest path where the method has one, else dropped. On vLLM-CPU a step
-    #: verifying 1 draft token took 83 ms against 65 ms for none and 59-65 ms for 2-4 (SmolLM2,
-    #: fp32, 50-token context, medians of 3; 700 tokens: 86 / 81 / 71-76 ms), so a lone draft
-    #: token is the costliest draft there is; 3 rather than 2 because it costs no more and
-    #: replay on prompts 20-39 gives more tokens per forward (hybrid, summarize: 1.76 at 1, 1.79
-    #: at 2, 1.82 at 3). Set 1 where a lone token is cheap (GPUs).
+    #: verifying 1 draft token took 86 ms against 71 ms for none and 58-66 ms for 2-5 (SmolLM2,
+    #: fp32, 50-token context, medians of 3; 700 tokens: 89 / 79 / 66-73 ms;
+    #: benchmarks/results/verify-cost.md), so a lone draft token is the costliest draft there
+    #: is. 3 rather than 2: it costs no more, and replay on prompts 20-39 gives more tokens per
+    #: forward (hybrid, summarize: 1.76 at 1, 1.79 at 2, 1.82 at 3). Set 1 where a lone token is
+    #: cheap (GPUs).
     min_draft_len: int = 3
     #: Testing aid, 0 in production: this fraction of draft attempts fails on purpose, in turn
     #: raising, drafting k + 1 tokens, drafting an id outside the vocabulary and overrunning the

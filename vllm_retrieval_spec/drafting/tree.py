@@ -81,7 +81,7 @@ def best_chain(
 
     A chain the rule cuts shorter than ``min_len`` (but not empty) is extended along the
     heaviest children to ``min_len`` tokens, or to where the trie ends: on vLLM-CPU verifying a
-    1-token draft costs as much as an 8-token one, and 2-4 tokens cost no more than none (see
+    1-token draft costs more than an 8-token one, and 2-5 tokens cost no more than none (see
     ``MethodConfig.min_draft_len``), so the extra tokens are free chances.
 
     Ties between siblings go to the token seen first in ``candidates`` (row order), which keeps
