@@ -45,11 +45,11 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
     caps each draft by the record's acceptance so far, as the proposers do in vLLM; drafts
     shorter than ``min_draft_len`` are dropped, as there.
     """
-    from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker
+    from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
 
     output_tokens = forwards = drafted = 0
     draft_ns: list[int] = []
-    tracker = AcceptanceTracker(k, draft_token_cost)
+    tracker = AcceptanceTracker(k, draft_token_cost, min_draft_len)
     for n, record in enumerate(records):
         prompt, output = record["prompt"], record["output"]
         sequence = np.asarray(prompt + output, dtype=np.int32)
@@ -58,9 +58,9 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
         forwards += 1
         while position < len(output):
             start = time.perf_counter_ns()
-            max_len = min(k, max(tracker.cap(str(n)), min_draft_len)) if adaptive else k
+            max_len = tracker.cap(str(n)) if adaptive else k
             proposal = draft(sequence[: len(prompt) + position], max_len)
-            if len(proposal) < min(min_draft_len, max_len):
+            if too_short(len(proposal), max_len, min_draft_len):
                 proposal = proposal[:0]
             draft_ns.append(time.perf_counter_ns() - start)
             truth = output[position:position + len(proposal)]

@@ -21,6 +21,8 @@ class AcceptanceTracker:
 
     k: int
     draft_token_cost: float
+    #: Caps never go below this (``MethodConfig.min_draft_len``).
+    min_len: int = 1
     #: Weight of the newest step in the moving average.
     smoothing: float = 0.3
     #: Starting estimate: optimistic, so a new request may draft up to k at once.
@@ -28,8 +30,9 @@ class AcceptanceTracker:
     rates: dict[str, float] = field(default_factory=dict)
 
     def cap(self, req_id: str) -> int:
-        return max_worthwhile_len(self.rates.get(req_id, self.initial_rate),
-                                  self.draft_token_cost, self.k)
+        worthwhile = max_worthwhile_len(self.rates.get(req_id, self.initial_rate),
+                                        self.draft_token_cost, self.k)
+        return min(self.k, max(worthwhile, self.min_len))
 
     def update(self, req_id: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -40,6 +43,12 @@ class AcceptanceTracker:
     def forget_except(self, req_ids: set[str]) -> None:
         for req_id in self.rates.keys() - req_ids:
             del self.rates[req_id]
+
+
+def too_short(draft_len: int, max_len: int, min_draft_len: int) -> bool:
+    """A non-empty draft below ``min_draft_len`` (or ``max_len``, if that is smaller) costs
+    more to verify than it can save on vLLM-CPU (``MethodConfig.min_draft_len``)."""
+    return 0 < draft_len < min(min_draft_len, max_len)
 
 
 def max_worthwhile_len(rate: float, draft_token_cost: float, k: int) -> int:

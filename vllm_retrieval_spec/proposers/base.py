@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
-from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker
+from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
 from vllm_retrieval_spec.metrics import MethodMetrics
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class RetrievalProposer:
         self.budget_ns = int(self.config.draft_budget_ms * 1e6)
         #: Request id of each batch row this step (``observe_batch``; empty outside vLLM).
         self.row_req_ids: list[str] = []
-        self.acceptance = (AcceptanceTracker(self.k, self.config.draft_token_cost)
+        self.acceptance = (AcceptanceTracker(self.k, self.config.draft_token_cost,
+                                             self.config.min_draft_len)
                            if self.config.adaptive_draft_len else None)
         self.last_draft_len: dict[str, int] = {}
         self.metrics = MethodMetrics(self.config.method)
@@ -98,9 +99,7 @@ class RetrievalProposer:
                 # plus one the target model chose itself.
                 self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
                                        len(sampled) - 1)
-                # Never below the shortest draft worth sending (min_draft_len).
-                max_len = min(max_len, max(self.acceptance.cap(req_id),
-                                           self.config.min_draft_len))
+                max_len = min(max_len, self.acceptance.cap(req_id))
             draft = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
                 if max_len > 0 else []
             if req_id is not None:
@@ -150,8 +149,7 @@ class RetrievalProposer:
             self._fail("out_of_vocabulary",
                        f"returned token ids outside [0, {self.vocab_size}): {draft.tolist()}")
             return []
-        if len(draft) < min(self.config.min_draft_len, max_len):
-            # Costs more to verify than it can save (MethodConfig.min_draft_len).
+        if too_short(len(draft), max_len, self.config.min_draft_len):
             return []
         return draft.tolist()
 
