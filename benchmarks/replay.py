@@ -93,35 +93,98 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
     """The same pure drafting function the method's proposer calls in vLLM, per request."""
     from vllm_retrieval_spec.config import (
         DresdConfig, HybridConfig, PldConfig, PldPlusConfig, RestConfig)
-    from vllm_retrieval_spec.datastore.dense import dense_index_in_use
-    from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
     from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
     from vllm_retrieval_spec.proposers.pld import pld_draft, pld_plus_draft
     from vllm_retrieval_spec.proposers.rest import rest_draft
 
-    if isinstance(config, HybridConfig) and dense_index_in_use(config.datastore, config.dense):
-        if model is None:
-            raise ValueError("replaying hybrid with a dense index needs --model for the states")
-        datastore = SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
-        return _dense_factory(config, _transformers_states(model), lambda index, queries: (
-            lambda context, n: hybrid_draft(datastore, context, n, config, index,
-                                            queries[len(context) - 2])))
     if isinstance(config, RestConfig):  # hybrid too: it extends REST
-        datastore = SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
-        draft = hybrid_draft if isinstance(config, HybridConfig) else rest_draft
-        return lambda record: lambda context, n: draft(datastore, context, n, config)
+        datastore = _datastore(config)
+        if not isinstance(config, HybridConfig):
+            return lambda record: lambda context, n: rest_draft(datastore, context, n, config)
+        dense = DenseQueries.if_in_use(config, model)
+        if dense is None:
+            return lambda record: lambda context, n: hybrid_draft(datastore, context, n, config)
+
+        def make_hybrid(record: dict[str, list[int]]) -> DraftFn:
+            queries = dense.for_record(record)
+            return lambda context, n: hybrid_draft(datastore, context, n, config, dense.index,
+                                                   queries[len(context) - 2])
+
+        return make_hybrid
     if isinstance(config, PldConfig):
         return lambda record: lambda context, n: pld_draft(context, n, config)
     if isinstance(config, PldPlusConfig):
-        if model is None:
-            raise ValueError("replaying pld_plus needs --model for the hidden states")
-        states = _transformers_states(model)
+        states = _transformers_states(_require_model(model, config))
         return lambda record: _with_states(states(record, config.layer), config, pld_plus_draft)
     if isinstance(config, DresdConfig):
-        if model is None:
-            raise ValueError("replaying dresd needs --model for the hidden states")
-        return _dense_factory(config, _transformers_states(model), _dresd_draft_fn(config))
+        return _dresd_factory(config, DenseQueries(config, _require_model(model, config)))
     raise ValueError(f"no replay for method {config.method!r}")
+
+
+def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
+    """A ceiling for any merge rule over hybrid's sources: at each step, of every candidate the
+    sources offer (the context and the suffix array at every match length, the dense
+    neighbours), the one the target model accepts furthest. Every chain a trie over the
+    candidates can draft is a prefix of one of them, so no weighting can draft better."""
+    from vllm_retrieval_spec.config import HybridConfig
+    from vllm_retrieval_spec.proposers.dresd import matching_continuations
+    from vllm_retrieval_spec.proposers.pld import find_context_matches
+
+    if not isinstance(config, HybridConfig):
+        raise ValueError("--oracle takes hybrid configs: their sources are the candidates")
+    datastore = _datastore(config)
+    dense = DenseQueries.if_in_use(config, model)
+
+    def make_oracle(record: dict[str, list[int]]) -> DraftFn:
+        truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
+        queries = dense.for_record(record) if dense is not None else None
+
+        def draft(context: np.ndarray, n: int) -> np.ndarray:
+            found = []
+            for match_len in range(config.context_min_match_len,
+                                   config.context_max_match_len + 1):
+                found.append(find_context_matches(context, match_len, match_len,
+                                                  config.max_occurrences, n)[:2])
+            for match_len in range(config.min_match_len, config.max_match_len + 1):
+                found.append(datastore.lookup(context, min_len=match_len, max_len=match_len,
+                                              max_occurrences=config.max_occurrences,
+                                              continuation_len=n)[:2])
+            if queries is not None:
+                neighbours, scores = dense.index.search(queries[len(context) - 2][None],
+                                                        config.top_n)
+                found.append(matching_continuations(
+                    dense.index.tokens, dense.index.positions, neighbours[0], scores[0],
+                    int(context[-1]), n)[:2])
+            return longest_accepted(np.concatenate([c for c, _ in found]),
+                                    np.concatenate([length for _, length in found]),
+                                    truth[len(context):len(context) + n])
+
+        return draft
+
+    return make_oracle
+
+
+def longest_accepted(candidates: np.ndarray, lengths: np.ndarray,
+                     truth: np.ndarray) -> np.ndarray:
+    """The longest prefix of ``truth`` that some candidate starts with."""
+    best = 0
+    for candidate, length in zip(candidates, lengths):
+        length = min(int(length), len(truth))
+        mismatch = np.flatnonzero(candidate[:length] != truth[:length])
+        best = max(best, int(mismatch[0]) if len(mismatch) else length)
+    return truth[:best]
+
+
+def _datastore(config: Any) -> Any:
+    from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+
+    return SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
+
+
+def _require_model(model: str | None, config: Any) -> str:
+    if model is None:
+        raise ValueError(f"replaying {config.method} needs --model for the hidden states")
+    return model
 
 
 def _with_states(states: np.ndarray, config: Any, draft: Callable) -> DraftFn:
@@ -130,35 +193,49 @@ def _with_states(states: np.ndarray, config: Any, draft: Callable) -> DraftFn:
     return lambda context, n: draft(context, states[: len(context) - 1], n, config)
 
 
-def _dresd_draft_fn(config: Any) -> Callable[[Any, np.ndarray], DraftFn]:
+def _dresd_factory(config: Any, dense: DenseQueries) -> DraftFactory:
     from vllm_retrieval_spec.proposers.dresd import dresd_draft
 
-    def draft_fn(index: Any, queries: np.ndarray) -> DraftFn:
+    def make_draft(record: dict[str, list[int]]) -> DraftFn:
+        queries = dense.for_record(record)
+
         def draft(context: np.ndarray, n: int) -> np.ndarray:
-            neighbours, scores = index.search(queries[len(context) - 2][None], config.top_n)
-            return dresd_draft(index, neighbours[0], scores[0], int(context[-1]), n, config)
+            neighbours, scores = dense.index.search(queries[len(context) - 2][None],
+                                                    config.top_n)
+            return dresd_draft(dense.index, neighbours[0], scores[0], int(context[-1]), n,
+                               config)
 
         return draft
 
-    return draft_fn
-
-
-def _dense_factory(config: Any, states: TransformersStates,
-                   draft_fn: Callable[[Any, np.ndarray], DraftFn]) -> DraftFactory:
-    """Per record: every position's projected final state, handed to ``draft_fn(index,
-    queries)``; ``queries[len(context) - 2]`` is the state that produced the context's last
-    token."""
-    import torch
-
-    from vllm_retrieval_spec.datastore.dense import DenseIndex
-
-    index = DenseIndex.from_path(config.datastore, search=config.search, verify_checksums=False)
-
-    def make_draft(record: dict[str, list[int]]) -> DraftFn:
-        final = states(record, len(states.hidden_layers) - 1, unit=False)
-        return draft_fn(index, index.projection(torch.from_numpy(final)))
-
     return make_draft
+
+
+class DenseQueries:
+    """A datastore's dense index and, per record, the projected final state of every position:
+    ``for_record(record)[len(context) - 2]`` is the query for the state that produced the
+    context's last token, as the proposers query in vLLM."""
+
+    def __init__(self, config: Any, model: str) -> None:
+        from vllm_retrieval_spec.datastore.dense import DenseIndex
+
+        self.index = DenseIndex.from_path(config.datastore, search=config.search,
+                                          verify_checksums=False)
+        self.states = _transformers_states(model)
+
+    @classmethod
+    def if_in_use(cls, config: Any, model: str | None) -> DenseQueries | None:
+        """For hybrid: the dense source when its datastore has an index and it is not off."""
+        from vllm_retrieval_spec.datastore.dense import dense_index_in_use
+
+        if not dense_index_in_use(config.datastore, config.dense):
+            return None
+        return cls(config, _require_model(model, config))
+
+    def for_record(self, record: dict[str, list[int]]) -> np.ndarray:
+        import torch
+
+        final = self.states(record, len(self.states.hidden_layers) - 1, unit=False)
+        return self.index.projection(torch.from_numpy(final))
 
 
 @functools.lru_cache(maxsize=1)
@@ -216,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens if not given")
     parser.add_argument("--model", help="model folder, for methods that rank by hidden states")
     parser.add_argument("--task", help="replay only this task's records")
+    parser.add_argument("--oracle", action="store_true",
+                        help="replay hybrid configs' ceiling: at every step the candidate of "
+                             "any source that is accepted furthest (k tokens at most)")
     args = parser.parse_args(argv)
     records = [r for path in args.outputs for r in load_records(path)
                if args.task is None or r.get("task", "code-gen") == args.task]
@@ -223,11 +303,18 @@ def main(argv: list[str] | None = None) -> None:
     grid = json.loads(args.grid)
     for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
         config = parse_speculative_config({"num_speculative_tokens": args.k, **options})
-        make_draft = draft_factory(config, args.model)
+        if args.oracle:
+            # A ceiling: no adaptive cap, no minimum length, drafts cost nothing extra.
+            make_draft = oracle_factory(config, args.model)
+            rules = {"draft_token_cost": 0.0, "adaptive": False, "min_draft_len": 1}
+        else:
+            make_draft = draft_factory(config, args.model)
+            rules = {"draft_token_cost": config.draft_token_cost,
+                     "adaptive": config.adaptive_draft_len,
+                     "min_draft_len": config.min_draft_len}
         for task in tasks:
             result = replay([r for r in records if r.get("task", "code-gen") == task],
-                            make_draft, config.num_speculative_tokens, config.draft_token_cost,
-                            config.adaptive_draft_len, config.min_draft_len)
+                            make_draft, config.num_speculative_tokens, **rules)
             print(json.dumps({"task": task, "config": options, **result}), flush=True)
 
 

@@ -43,6 +43,9 @@ class BenchSettings:
     # float32: in bfloat16 (vLLM's default on CPU) verifying k+1 tokens at once rounds
     # differently from decoding one, and even vLLM's own ngram stops matching plain decoding.
     dtype: str = "float32"
+    #: All engines alive at once, taking turns prompt by prompt (see _run_interleaved); else
+    #: one engine after another, which needs one engine's memory (~3 GB) instead of all.
+    interleave: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -91,17 +94,18 @@ def run_benchmark(model: str, runs: list[MethodRun], settings: BenchSettings,
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = {task: task_prompts(task, tokenizer, settings.prompts, settings.prompt_offset)
                for task in settings.tasks}
-    rows: list[dict[str, Any]] = []
-    plain: dict[str, tuple[list[list[int]], float]] = {}
-    for run in runs:
-        for task, (row, outputs) in _run_method(model, run, prompts, settings).items():
-            if run.method == "plain":
-                plain[task] = (outputs, row["tokens_per_s"])
-            plain_outputs, plain_tps = plain[task]
-            row["speedup"] = round(row["tokens_per_s"] / plain_tps, 3)
-            row["outputs_equal_plain"] = outputs == plain_outputs
-            rows.append(row)
-        print(format_table(rows), file=sys.stderr)
+    if settings.interleave:
+        results = _run_interleaved(model, runs, prompts, settings)
+    else:
+        results = []
+        for run in runs:
+            engine = MethodEngine(model, run, settings, next(iter(prompts.values()))[0])
+            try:
+                results.append(engine.run_tasks(prompts, settings.concurrency))
+            finally:
+                engine.close()
+    rows = compared_with_plain(results)
+    plain = results[0]
     import vllm
 
     return {
@@ -113,56 +117,158 @@ def run_benchmark(model: str, runs: list[MethodRun], settings: BenchSettings,
         "command": command,
         "rows": rows,
         "plain_outputs": [{"task": task, "prompt": p, "output": o}
-                          for task, (outputs, _) in plain.items()
+                          for task, (_, outputs) in plain.items()
                           for p, o in zip(prompts[task], outputs)],
     }
 
 
-def _run_method(model: str, run: MethodRun, prompts: dict[str, list[list[int]]],
-                settings: BenchSettings) -> dict[str, tuple[dict[str, Any], list[list[int]]]]:
-    """One engine for the method; every task's prompts one at a time, greedy."""
-    from vllm import LLM, SamplingParams
+def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[int]]]]]
+                        ) -> list[dict[str, Any]]:
+    """Every run's rows (task -> (row, outputs), plain's first, as ``method_runs`` orders them)
+    with ``speedup`` and ``outputs_equal_plain`` against plain's row of the same task."""
+    rows = []
+    for by_task in results:
+        for task, (row, outputs) in by_task.items():
+            plain_row, plain_outputs = results[0][task]
+            rows.append({**row,
+                         "speedup": round(row["tokens_per_s"] / plain_row["tokens_per_s"], 3),
+                         "outputs_equal_plain": outputs == plain_outputs})
+    return rows
 
-    print(f"[bench] {run.method}: starting engine", file=sys.stderr)
-    llm = LLM(model=model, speculative_config=run.speculative_config, enforce_eager=True,
-              max_model_len=settings.max_model_len, dtype=settings.dtype,
-              disable_log_stats=False, seed=0,
-              **settings.engine_kwargs)
-    speculative = run.speculative_config is not None
-    greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
-    results = {}
+
+def _run_interleaved(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
+                     settings: BenchSettings
+                     ) -> list[dict[str, tuple[dict[str, Any], list[list[int]]]]]:
+    """Every method's engine alive at once; each batch of prompts goes to every engine in turn,
+    the order rotating from batch to batch. On a shared 2-core machine the speed drifts by up to
+    20% over minutes; run one after another, methods would be timed in different minutes."""
+    engines: list[MethodEngine] = []
     try:
-        # Warm up (numba, allocator, first-step paths) outside the timed region.
-        first = next(iter(prompts.values()))[0]
-        llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=8), use_tqdm=False)
+        for run in runs:
+            engines.append(MethodEngine(model, run, settings, next(iter(prompts.values()))[0]))
+        results: list[dict[str, tuple[dict[str, Any], list[list[int]]]]] = [{} for _ in runs]
         for task, task_prompts in prompts.items():
-            before = _spec_counters(llm)
-            if speculative:
-                llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
-            outputs: list[list[int]] = []
-            elapsed = 0.0
-            for i in range(0, len(task_prompts), settings.concurrency):
-                batch = task_prompts[i:i + settings.concurrency]
-                start = time.perf_counter()
-                result = llm.generate([{"prompt_token_ids": p} for p in batch], greedy,
-                                      use_tqdm=False)
-                elapsed += time.perf_counter() - start
-                outputs += [list(r.outputs[0].token_ids) for r in result]
-                print(f"[bench] {run.method} {task}: prompt {len(outputs)}/{len(task_prompts)}, "
-                      f"{sum(map(len, outputs))} tokens in {elapsed:.1f} s", file=sys.stderr)
-            after = _spec_counters(llm)
-            drafting = (llm.collective_rpc("rsd_drafting_stats")[0] if speculative
-                        else {"p50_ms": None, "p99_ms": None})
-            results[task] = (_row(run, task, settings, outputs, elapsed,
-                                  after["accepted"] - before["accepted"],
-                                  after["drafts"] - before["drafts"], drafting), outputs)
+            for engine in engines:
+                engine.start_task(task)
+            for start, e in turns(len(task_prompts), settings.concurrency, len(engines)):
+                engines[e].generate(task_prompts[start:start + settings.concurrency],
+                                    len(task_prompts))
+            for engine, by_task in zip(engines, results):
+                by_task[task] = engine.finish_task()
+            print(format_table([row for by_task in results
+                                for row, _ in by_task.values()]), file=sys.stderr)
     finally:
-        _shutdown(llm)
+        for engine in engines:
+            engine.close()
     return results
 
 
+def turns(num_prompts: int, batch_size: int, num_engines: int) -> list[tuple[int, int]]:
+    """(first prompt of the batch, engine) in the order an interleaved run generates them: each
+    batch goes to every engine, the first engine rotating from batch to batch so that no method
+    always runs just after the same other one."""
+    return [(start, (turn + j) % num_engines)
+            for turn, start in enumerate(range(0, num_prompts, batch_size))
+            for j in range(num_engines)]
+
+
+class ForwardCounter:
+    """Target forwards that gave a request tokens (its prefill included), counted from the
+    engine core's outputs: one output per request per step.
+
+    vLLM's speculative-decoding counters cannot give this: they also count the draft tokens
+    accepted past ``max_tokens`` or EOS, which the output then drops. Counting forwards as
+    output tokens minus accepted tokens overstated tokens per forward by up to ~10% when the
+    last steps accept long drafts (code-edit, chat)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.count = 0
+        core = llm.llm_engine.engine_core
+        get_output = core.get_output
+
+        def counting_get_output() -> Any:
+            outputs = get_output()
+            self.count += sum(1 for output in outputs.outputs if output.new_token_ids)
+            return outputs
+
+        core.get_output = counting_get_output
+
+
+class MethodEngine:
+    """One method's engine and what it measured on the current task."""
+
+    def __init__(self, model: str, run: MethodRun, settings: BenchSettings,
+                 warmup_prompt: list[int]):
+        from vllm import LLM, SamplingParams
+
+        print(f"[bench] {run.method}: starting engine", file=sys.stderr)
+        self.run = run
+        self.settings = settings
+        self.speculative = run.speculative_config is not None
+        self.llm = LLM(model=model, speculative_config=run.speculative_config,
+                       enforce_eager=True, max_model_len=settings.max_model_len,
+                       dtype=settings.dtype, seed=0,
+                       # Per request, not the process-wide Prometheus counters, which every
+                       # engine of an interleaved run adds to.
+                       per_request_spec_decode_metrics="summary" if self.speculative else "none",
+                       **settings.engine_kwargs)
+        self.greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
+        self.forwards = ForwardCounter(self.llm)
+        # Warm up (numba, allocator, first-step paths) outside the timed region.
+        self.llm.generate([{"prompt_token_ids": warmup_prompt}], SamplingParams(max_tokens=8),
+                          use_tqdm=False)
+
+    def run_tasks(self, prompts: dict[str, list[list[int]]], concurrency: int
+                  ) -> dict[str, tuple[dict[str, Any], list[list[int]]]]:
+        results = {}
+        for task, task_prompts in prompts.items():
+            self.start_task(task)
+            for i in range(0, len(task_prompts), concurrency):
+                self.generate(task_prompts[i:i + concurrency], len(task_prompts))
+            results[task] = self.finish_task()
+        return results
+
+    def start_task(self, task: str) -> None:
+        self.task = task
+        self.outputs: list[list[int]] = []
+        self.elapsed = 0.0
+        self.accepted = self.drafts = 0
+        self.forwards.count = 0
+        if self.speculative:
+            self.llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
+
+    def generate(self, batch: list[list[int]], total: int) -> None:
+        start = time.perf_counter()
+        result = self.llm.generate([{"prompt_token_ids": p} for p in batch], self.greedy,
+                                   use_tqdm=False)
+        self.elapsed += time.perf_counter() - start
+        for request in result:
+            self.outputs.append(list(request.outputs[0].token_ids))
+            metrics = request.outputs[0].spec_decode_metrics
+            if metrics is not None:
+                stats = metrics.to_dict()
+                self.accepted += stats["num_accepted_draft_tokens"]
+                self.drafts += stats["num_spec_steps"]
+        print(f"[bench] {self.run.method} {self.task}: prompt {len(self.outputs)}/{total}, "
+              f"{sum(map(len, self.outputs))} tokens in {self.elapsed:.1f} s", file=sys.stderr)
+
+    def finish_task(self) -> tuple[dict[str, Any], list[list[int]]]:
+        drafting = (self.llm.collective_rpc("rsd_drafting_stats")[0] if self.speculative
+                    else {"p50_ms": None, "p99_ms": None})
+        row = _row(self.run, self.task, self.settings, self.outputs, self.elapsed,
+                   self.forwards.count, self.accepted, self.drafts, drafting)
+        return row, self.outputs
+
+    def close(self) -> None:
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
 def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[int]],
-         elapsed: float, accepted: float, drafts: float,
+         elapsed: float, forwards: int, accepted: float, drafts: float,
          drafting: dict[str, Any]) -> dict[str, Any]:
     output_tokens = sum(map(len, outputs))
     config = dict(run.speculative_config or {})
@@ -179,8 +285,7 @@ def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[
         "concurrency": settings.concurrency,
         "output_tokens": output_tokens,
         "tokens_per_s": round(output_tokens / elapsed, 3),
-        # Each target forward yields one token plus the accepted draft tokens.
-        "tokens_per_forward": round(output_tokens / (output_tokens - accepted), 3),
+        "tokens_per_forward": round(output_tokens / forwards, 3),
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
         "draft_ms_p50": _round(drafting["p50_ms"]),
         "draft_ms_p99": _round(drafting["p99_ms"]),
@@ -190,24 +295,6 @@ def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[
         # DReSD: share of the ANN search time that drafting did not wait for (thread pool).
         row["search_hidden"] = round(1 - drafting["search_wait_ns"] / drafting["search_ns"], 3)
     return row
-
-
-def _spec_counters(llm: Any) -> dict[str, float]:
-    values = {"accepted": 0.0, "drafts": 0.0}
-    names = {"vllm:spec_decode_num_accepted_tokens": "accepted",
-             "vllm:spec_decode_num_drafts": "drafts"}
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            values[names[metric.name]] += metric.value
-    return values
-
-
-def _shutdown(llm: Any) -> None:
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None:
-        engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 def _round(value: float | None) -> float | None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from vllm_retrieval_spec.benchmarks.replay import expand_grid, replay
+from vllm_retrieval_spec.benchmarks.replay import (
+    draft_factory, expand_grid, longest_accepted, oracle_factory, replay)
+from vllm_retrieval_spec.config import parse_speculative_config
+from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 
 
 def test_replay_counts_forwards_as_the_engine_would():
@@ -36,3 +40,35 @@ def test_expand_grid():
     assert configs == [{"method": "hybrid", "x": 1, "y": "a"}, {"method": "hybrid", "x": 1, "y": "b"},
                        {"method": "hybrid", "x": 2, "y": "a"}, {"method": "hybrid", "x": 2, "y": "b"}]
     assert expand_grid({"method": "pld"}, {}) == [{"method": "pld"}]
+
+
+def test_longest_accepted_is_the_longest_prefix_of_the_truth_any_candidate_starts_with():
+    candidates = np.array([[1, 2, 9, -1], [1, 2, 3, 8], [4, 1, 2, 3]], dtype=np.int32)
+    truth = np.array([1, 2, 3, 4], dtype=np.int32)
+    np.testing.assert_array_equal(longest_accepted(candidates, np.array([3, 4, 4]), truth),
+                                  [1, 2, 3])
+    # A candidate counts only up to its length.
+    np.testing.assert_array_equal(longest_accepted(candidates, np.array([3, 2, 4]), truth),
+                                  [1, 2])
+    assert len(longest_accepted(candidates[:0], np.zeros(0, np.int32), truth)) == 0
+
+
+def test_oracle_is_a_ceiling_for_hybrid(tmp_path):
+    # The corpus continues "5 6" with "7 8 9" once and "7 7 7" twice: hybrid votes for the
+    # majority, the oracle takes whichever the truth starts with.
+    documents = [[5, 6, 7, 8, 9], [5, 6, 7, 7, 7], [5, 6, 7, 7, 7]]
+    build_datastore_from_token_ids(documents, tmp_path / "ds", tokenizer_name="t",
+                                   tokenizer_fingerprint="0" * 64, vocab_size=100,
+                                   progress=False)
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
+                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1})
+    record = {"prompt": [1, 5], "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}
+    oracle = replay([record], oracle_factory(config), k=3, draft_token_cost=0.0)
+    hybrid = replay([record], draft_factory(config), k=3, draft_token_cost=0.0)
+    # Prefill -> "6"; "7 8 9" from the datastore plus the bonus "2"; "5" and "6" with no
+    # draft (no 2-token match); "7 8 9" from the context, where "5 6" occurred before:
+    # 5 forwards for 10 tokens.
+    assert oracle["tokens_per_forward"] == 2.0
+    assert hybrid["tokens_per_forward"] < oracle["tokens_per_forward"]
+    with pytest.raises(ValueError, match="hybrid"):
+        oracle_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3}))

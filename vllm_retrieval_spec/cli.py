@@ -156,7 +156,7 @@ def bench_command(args: argparse.Namespace) -> None:
     settings = BenchSettings(tasks=tuple(args.tasks.split(",")), prompts=args.prompts,
                              prompt_offset=args.prompt_offset,
                              max_tokens=args.max_tokens, num_speculative_tokens=args.k,
-                             concurrency=args.concurrency)
+                             concurrency=args.concurrency, interleave=not args.sequential)
     command = "vllm-rsd " + shlex.join(sys.argv[1:])
     results = run_benchmark(model, runs, settings, args.run_name, command)
     print(format_table(results["rows"]))
@@ -179,7 +179,7 @@ def demo_command(args: argparse.Namespace) -> None:
     bench_command(argparse.Namespace(
         model=model, methods="plain,ngram,rest,hybrid", k=8, datastore=[str(datastore)],
         method_options=None, tasks="code-gen", prompts=args.prompts, prompt_offset=0,
-        max_tokens=args.max_tokens, concurrency=1,
+        max_tokens=args.max_tokens, concurrency=1, sequential=False,
         run_name="demo", output_dir=None))
     print(f"demo finished in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests submitted together (default: one at a time)")
+    p.add_argument("--sequential", action="store_true",
+                   help="one engine at a time (~3 GB) instead of all alive, taking turns "
+                        "prompt by prompt so that drift in machine speed hits every method alike")
     p.add_argument("--run-name", default="bench")
     p.add_argument("--output-dir", default="benchmarks/results",
                    help="where <run-name>.json/.md go ('' to write nothing)")
