@@ -87,7 +87,9 @@ def _prometheus_metrics() -> dict[str, object]:
                 p + "failed_drafts", "Drafts dropped: exception, too_long, out_of_vocabulary "
                 "or over_budget", ["method", "kind"]),
             output_tokens=Counter(p + "output_tokens",
-                                  "Tokens produced (accepted drafts + one per forward)",
+                                  "Tokens sampled (accepted drafts + one per forward), "
+                                  "including any past max_tokens or EOS in a request's last "
+                                  "step",
                                   ["method"]),
             target_forwards=Counter(p + "target_forwards",
                                     "Target-model forwards, counted per request", ["method"]),
