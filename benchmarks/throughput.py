@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+#: Memory one engine holds on vLLM-CPU besides its weights: the 1 GiB KV cache, the engine-core
+#: and worker processes (measured: six SmolLM2 engines and the benchmark held 18.6 GB).
+ENGINE_OVERHEAD_BYTES = int(2.5 * 2**30)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ def run_benchmark(model: str, runs: list[MethodRun], settings: BenchSettings,
     prompts = {task: task_prompts(task, tokenizer, settings.prompts, settings.prompt_offset)
                for task in settings.tasks}
     if settings.interleave:
+        check_memory_for_interleaving(len(runs), model)
         results = _run_interleaved(model, runs, prompts, settings)
     else:
         results = []
@@ -136,12 +140,38 @@ def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[
     return rows
 
 
+def check_memory_for_interleaving(num_engines: int, model: str) -> None:
+    """Fail before starting anything when ``num_engines`` engines alive at once would not fit
+    in the memory available now (on CPU; on a GPU each engine gets its share of it)."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) \
+        if Path(model).is_dir() else 0
+    need = num_engines * (ENGINE_OVERHEAD_BYTES + weights)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ValueError(
+            f"{num_engines} engines alive at once need about {need / 2**30:.1f} GiB and "
+            f"{available / 2**30:.1f} GiB is available: compare fewer methods per run, or "
+            "pass --sequential (one engine at a time; the machine's drift then falls on the "
+            "methods unevenly)")
+
+
 def _run_interleaved(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
                      settings: BenchSettings
                      ) -> list[dict[str, tuple[dict[str, Any], list[list[int]]]]]:
     """Every method's engine alive at once; each batch of prompts goes to every engine in turn,
     the order rotating from batch to batch. On a shared 2-core machine the speed drifts by up to
     20% over minutes; run one after another, methods would be timed in different minutes."""
+    import torch
+
+    if torch.cuda.is_available():
+        # vLLM gives one engine 90% of the GPU by default; all of them share it here.
+        settings = dataclasses.replace(settings, engine_kwargs={
+            "gpu_memory_utilization": round(0.85 / len(runs), 3), **settings.engine_kwargs})
     engines: list[MethodEngine] = []
     try:
         for run in runs:

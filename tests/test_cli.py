@@ -57,3 +57,32 @@ def test_unknown_speculative_model(exec_argv, capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", model, "--speculative-model", "eagle"])
     assert "invalid choice: 'eagle'" in capsys.readouterr().err
+
+
+def test_bench_refuses_more_engines_than_memory_holds_before_starting_any(monkeypatch, tmp_path):
+    import psutil
+
+    from vllm_retrieval_spec.benchmarks import throughput
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 1024)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: type("Memory", (), {"available": 8 * 2**30})())
+    monkeypatch.setattr(throughput, "run_benchmark",
+                        lambda *args: pytest.fail("an engine would have started"))
+    with pytest.raises(SystemExit, match=r"4 engines alive at once need about 10.0 GiB and "
+                                         r"8.0 GiB is available.*--sequential"):
+        cli.main(["bench", "--model", str(model), "--methods", "ngram,pld,pld_plus"])
+    # Three engines (plain, ngram, pld) fit.
+    throughput.check_memory_for_interleaving(3, str(model))
+
+
+def test_bench_unknown_method_is_an_error_not_a_traceback(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(SystemExit, match="error: unknown method 'nope'"):
+        cli.main(["bench", "--model", str(model), "--methods", "ngram,nope"])

@@ -144,15 +144,22 @@ def serve_command(args: argparse.Namespace, extra: list[str]) -> None:
 
 def bench_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.benchmarks.throughput import (
-        BenchSettings, format_table, method_runs, run_benchmark, write_results)
+        BenchSettings, check_memory_for_interleaving, format_table, method_runs, run_benchmark,
+        write_results)
 
     model = resolve_model(args.model)
     datastores = {}
     for entry in args.datastore or []:
         name, _, path = entry.rpartition("=")
         datastores[name or Path(path).name] = path
-    runs = method_runs(args.methods.split(","), args.k, datastores,
-                       json.loads(args.method_options) if args.method_options else None)
+    try:
+        runs = method_runs(args.methods.split(","), args.k, datastores,
+                           json.loads(args.method_options) if args.method_options else None)
+        if not args.sequential:
+            check_memory_for_interleaving(len(runs), model)
+    except ValueError as e:
+        # Bad input or too little memory: say so before any engine starts, without a traceback.
+        raise SystemExit(f"error: {e}") from None
     settings = BenchSettings(tasks=tuple(args.tasks.split(",")), prompts=args.prompts,
                              prompt_offset=args.prompt_offset,
                              max_tokens=args.max_tokens, num_speculative_tokens=args.k,
