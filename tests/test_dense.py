@@ -383,6 +383,19 @@ def test_hybrid_skips_the_dense_search_after_a_long_context_match(small_dense_st
     config = hybrid_config(path, dense_weight=1000.0, top_n=3, skip_datastore_match_len=4)
     assert hybrid_draft(store, context, 3, config, index, query).tolist() == [6, 7]
     assert index.calls == 1
+    # A query given as a function is computed only for a search.
+    asked = []
+
+    def lazy_query():
+        asked.append(True)
+        return query
+
+    config = hybrid_config(path, dense_weight=1000.0, top_n=3, skip_datastore_match_len=3)
+    assert hybrid_draft(store, context, 3, config, index, lazy_query).tolist() == [5, 8, 9]
+    assert asked == []
+    config = hybrid_config(path, dense_weight=1000.0, top_n=3, skip_datastore_match_len=4)
+    assert hybrid_draft(store, context, 3, config, index, lazy_query).tolist() == [6, 7]
+    assert asked == [True]
 
 
 def test_hybrid_dense_modes(tmp_path):
@@ -399,15 +412,28 @@ def test_hybrid_dense_modes(tmp_path):
         hybrid_config(plain, dense="yes")
 
 
-def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store):
+def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store, monkeypatch):
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+    from vllm_retrieval_spec.proposers import hybrid
     from vllm_retrieval_spec.proposers.hybrid import HybridProposer, hybrid_draft
+
+    projected = []
+
+    def counting_projection(index, states, rows):
+        projected.append(rows)
+        return project_last_states(index, states, rows)
+
+    project_last_states = hybrid.project_last_states
+    monkeypatch.setattr(hybrid, "project_last_states", counting_projection)
 
     path, states = clustered_store
     # Only the dense source votes: the contexts are the store's own text, so its suffix array
     # (and the context) would draft the same continuations whatever the state.
+    # No time budget: a slow first projection on a busy machine must not drop the drafts.
     proposer = make_proposer(HybridProposer, hybrid_config(
-        path, num_speculative_tokens=4, context_weight=0.0, min_match_len=16))
+        path, num_speculative_tokens=4, context_weight=0.0, min_match_len=16,
+        draft_budget_ms=0))
+    projected.clear()  # the proposer's warm-up
     index, store = proposer.dense, SuffixArrayDatastore.from_path(path)
     tokens = index.tokens
     contexts = [tokens[90:102], tokens[:5], tokens[3990:4002]]
@@ -429,3 +455,10 @@ def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store):
         assert hybrid_draft(store, contexts[row], 4, proposer.config, index,
                             other).tolist() != drafts[row]
     assert drafts[1] == []
+    # Both rows searched; their states were projected together, once.
+    assert projected == [[1, -1, 0]]
+    # A step whose context match is long enough to skip the search projects nothing.
+    repeat = np.array([[5, 6, 7, 8, 5, 6, 7]], dtype=np.int32)
+    proposer.record_last_hidden_states(torch.from_numpy(states[:1]), [0])
+    proposer.propose([[7]], np.array([7]), repeat)
+    assert projected == [[1, -1, 0]]
