@@ -82,8 +82,8 @@ class HybridProposer(RestProposer):
     ``record_last_hidden_states``, called by the plugin each step before ``propose``).
 
     The states are projected only when some row's context match is too short for the dense
-    search to be skipped: on vLLM-CPU the projection took ~0.2 ms per step (the forward leaves
-    the caches cold), a third of hybrid's drafting time."""
+    search to be skipped: on vLLM-CPU the projection took ~0.2 ms per step, a third of
+    hybrid's drafting time (offline it takes a fifth of that: the forward flushes the caches)."""
 
     config: HybridConfig
 
