@@ -462,3 +462,22 @@ def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store, mo
     proposer.record_last_hidden_states(torch.from_numpy(states[:1]), [0])
     proposer.propose([[7]], np.array([7]), repeat)
     assert projected == [[1, -1, 0]]
+
+
+def test_hybrid_proposer_survives_states_it_cannot_project(clustered_store):
+    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+
+    path, _ = clustered_store
+    # No time budget: logging the first failure's traceback is slow.
+    proposer = make_proposer(HybridProposer, hybrid_config(path, num_speculative_tokens=4,
+                                                           draft_budget_ms=0))
+    tokens = proposer.dense.tokens
+    token_ids = np.zeros((2, 16), dtype=np.int32)
+    token_ids[0, :12] = tokens[90:102]
+    token_ids[1, :12] = tokens[3990:4002]
+    # States of the wrong width: the projection raises; the suffix array still drafts.
+    proposer.record_last_hidden_states(torch.zeros(2, 3), [0, 1])
+    drafts = proposer.propose([[5], [6]], np.array([12, 12]), token_ids)
+    assert drafts[0] == tokens[102:106].tolist() and drafts[1] == tokens[4002:4006].tolist()
+    # One failure for the step, not one per row.
+    assert proposer.failures == {"exception": 1}
