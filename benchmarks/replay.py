@@ -106,9 +106,9 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
             return lambda record: lambda context, n: hybrid_draft(datastore, context, n, config)
 
         def make_hybrid(record: dict[str, list[int]]) -> DraftFn:
-            queries = dense.for_record(record)
+            query_of = dense.for_record(record)
             return lambda context, n: hybrid_draft(datastore, context, n, config, dense.index,
-                                                   queries[len(context) - 2])
+                                                   query_of(context))
 
         return make_hybrid
     if isinstance(config, PldConfig):
@@ -137,7 +137,7 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
 
     def make_oracle(record: dict[str, list[int]]) -> DraftFn:
         truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
-        queries = dense.for_record(record) if dense is not None else None
+        query_of = dense.for_record(record) if dense is not None else None
 
         def draft(context: np.ndarray, n: int) -> np.ndarray:
             found = []
@@ -149,9 +149,8 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
                 found.append(datastore.lookup(context, min_len=match_len, max_len=match_len,
                                               max_occurrences=config.max_occurrences,
                                               continuation_len=n)[:2])
-            if queries is not None:
-                neighbours, scores = dense.index.search(queries[len(context) - 2][None],
-                                                        config.top_n)
+            if query_of is not None:
+                neighbours, scores = dense.index.search(query_of(context)[None], config.top_n)
                 found.append(matching_continuations(
                     dense.index.tokens, dense.index.positions, neighbours[0], scores[0],
                     int(context[-1]), n)[:2])
@@ -197,11 +196,10 @@ def _dresd_factory(config: Any, dense: DenseQueries) -> DraftFactory:
     from vllm_retrieval_spec.proposers.dresd import dresd_draft
 
     def make_draft(record: dict[str, list[int]]) -> DraftFn:
-        queries = dense.for_record(record)
+        query_of = dense.for_record(record)
 
         def draft(context: np.ndarray, n: int) -> np.ndarray:
-            neighbours, scores = dense.index.search(queries[len(context) - 2][None],
-                                                    config.top_n)
+            neighbours, scores = dense.index.search(query_of(context)[None], config.top_n)
             return dresd_draft(dense.index, neighbours[0], scores[0], int(context[-1]), n,
                                config)
 
@@ -211,9 +209,8 @@ def _dresd_factory(config: Any, dense: DenseQueries) -> DraftFactory:
 
 
 class DenseQueries:
-    """A datastore's dense index and, per record, the projected final state of every position:
-    ``for_record(record)[len(context) - 2]`` is the query for the state that produced the
-    context's last token, as the proposers query in vLLM."""
+    """A datastore's dense index and, per record, the query for each context: the projected
+    final state that produced the context's last token, as the proposers query in vLLM."""
 
     def __init__(self, config: Any, model: str) -> None:
         from vllm_retrieval_spec.datastore.dense import DenseIndex
@@ -231,11 +228,14 @@ class DenseQueries:
             return None
         return cls(config, _require_model(model, config))
 
-    def for_record(self, record: dict[str, list[int]]) -> np.ndarray:
+    def for_record(self, record: dict[str, list[int]]) -> Callable[[np.ndarray], np.ndarray]:
+        """context (a prefix of the record's sequence) -> its query."""
         import torch
 
         final = self.states(record, len(self.states.hidden_layers) - 1, unit=False)
-        return self.index.projection(torch.from_numpy(final))
+        queries = self.index.projection(torch.from_numpy(final))
+        # Position p's state produced token p + 1, the last of a context of p + 2 tokens.
+        return lambda context: queries[len(context) - 2]
 
 
 @functools.lru_cache(maxsize=1)

@@ -253,8 +253,8 @@ class MethodEngine:
         results = {}
         for task, task_prompts in prompts.items():
             self.start_task(task)
-            for i in range(0, len(task_prompts), concurrency):
-                self.generate(task_prompts[i:i + concurrency], len(task_prompts))
+            for start, _ in turns(len(task_prompts), concurrency, 1):
+                self.generate(task_prompts[start:start + concurrency], len(task_prompts))
             results[task] = self.finish_task()
         return results
 
