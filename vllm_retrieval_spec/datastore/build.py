@@ -190,6 +190,9 @@ def build_dense_index(
 ) -> Any:
     """Add DReSD's dense index to an existing datastore (``vllm-rsd build-datastore --dense``).
 
+    ``model`` is a model folder or a Hugging Face id in the local cache (``resolve_model_dir``);
+    ``dtype`` is vLLM's (e.g. "auto"), and the manifest records the dtype it resolves to.
+
     vLLM itself runs the forward passes (a pooling engine that returns every token's final
     hidden state), so build and serve share kernels and numerics. Documents longer than
     ``window`` tokens are cut into windows that overlap by ``overlap`` tokens; each window
@@ -198,14 +201,14 @@ def build_dense_index(
     size bytes per token) and are deleted afterwards.
     """
     from vllm_retrieval_spec.datastore.dense import (
-        DENSE_DIR, check_dense_replaceable, check_pca_dims, model_config_json,
+        DENSE_DIR, check_dense_replaceable, check_pca_dims, dtype_name, model_config_json,
         model_fingerprint, write_dense_index)
     from vllm_retrieval_spec.datastore.format import load_datastore
 
     # Everything that can be wrong is checked before minutes of forward passes.
     if not 0 <= overlap < window:
         raise DatastoreError(f"overlap {overlap} must be in [0, window={window})")
-    check_pca_dims(dims, model_config_json(Path(model))["hidden_size"])
+    check_pca_dims(dims, model_config_json(model)["hidden_size"])
     datastore = load_datastore(datastore_path)
     check_dense_replaceable(Path(datastore_path) / DENSE_DIR, overwrite)
     fingerprint = model_fingerprint(model)
@@ -215,6 +218,8 @@ def build_dense_index(
     llm = _hidden_state_engine(model, dtype, window)
     hidden_size = llm.llm_engine.model_config.get_hidden_size()
     depth = llm.llm_engine.model_config.hf_text_config.num_hidden_layers
+    # What the forward passes really ran in: serving compares its own resolved dtype with it.
+    resolved_dtype = dtype_name(llm.llm_engine.model_config.dtype)
     states_file = Path(datastore_path) / f"{DENSE_DIR}.states-{os.getpid()}.npy"
     try:
         states = np.lib.format.open_memmap(states_file, mode="w+", dtype=np.float32,
@@ -224,7 +229,7 @@ def build_dense_index(
         del llm
         return write_dense_index(
             datastore, states, positions, model_name=Path(model).name,
-            model_fingerprint=fingerprint, layer=depth, dtype=dtype, dims=dims,
+            model_fingerprint=fingerprint, layer=depth, dtype=resolved_dtype, dims=dims,
             fit_samples=fit_samples, scann=scann, overwrite=overwrite, progress=progress)
     finally:
         states_file.unlink(missing_ok=True)

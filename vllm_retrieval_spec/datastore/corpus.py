@@ -109,6 +109,23 @@ def _read_text_or_none(path: Path) -> str | None:
         return None
 
 
+def jsonl_objects(lines: Iterable[str], path: str | Path,
+                  error: type[ValueError] = DatastoreError) -> Iterator[tuple[str, dict]]:
+    """``(file:line, object)`` for every non-blank line of a jsonl file; ``error`` names the
+    line of anything that is not a JSON object."""
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{where}: not a JSON object ({e})") from None
+        if not isinstance(record, dict):
+            raise error(f"{where}: not a JSON object")
+        yield where, record
+
+
 def _read_jsonl(path: Path, tokenizer: Any, text_field: str, messages_field: str) -> Iterator[str]:
     f: TextIO
     with (
@@ -116,16 +133,7 @@ def _read_jsonl(path: Path, tokenizer: Any, text_field: str, messages_field: str
         if path.name.lower().endswith(".gz")
         else open(path, encoding="utf-8")
     ) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatastoreError(f"{where}: not a JSON object ({e})") from None
-            if not isinstance(record, dict):
-                raise DatastoreError(f"{where}: not a JSON object")
+        for where, record in jsonl_objects(f, path):
             if text_field in record:
                 text = record[text_field]
                 if not isinstance(text, str):

@@ -21,6 +21,8 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,6 +60,10 @@ SCANN_MIN_KEYS = 4096
 
 DENSE_REBUILD_HINT = "rebuild it with `vllm-rsd build-datastore --dense`"
 
+#: Rows of hidden states read at a time by the PCA fit and the key projection: a chunk of
+#: float64 rows takes at most this many bytes, whatever the hidden size.
+CHUNK_BYTES = 64 << 20
+
 
 @dataclass(frozen=True, kw_only=True)
 class DenseManifest:
@@ -71,7 +77,8 @@ class DenseManifest:
     hidden_size: int
     #: Hidden state after this many decoder layers; the model's depth = the final (normed) state.
     layer: int
-    #: dtype of the forward passes that produced the keys (build and serve must agree).
+    #: dtype of the forward passes that produced the keys, as resolved by vLLM ("float32",
+    #: never "auto"; see ``dtype_name``): build and serve must agree.
     dtype: str
     dims: int
     #: Share of the z-scored states' variance the ``dims`` components keep.
@@ -122,25 +129,60 @@ def check_pca_dims(dims: int, hidden_size: int) -> None:
             f"PCA dims {dims} is out of range: must be in [1, {hidden_size}] (the hidden size)")
 
 
-def fit_projection(sample: Any, dims: int) -> Projection:
-    """z-score statistics and the top ``dims`` principal directions of a [n, H] float32 tensor.
+def chunk_rows(hidden_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows of float64 hidden states that fit in ``chunk_bytes`` (at least one)."""
+    return max(1, chunk_bytes // (8 * hidden_size))
 
-    The covariance of z-scored states is only H x H, so an exact symmetric eigendecomposition
-    (torch.linalg.eigh) is cheaper than an iterative low-rank PCA and gives the explained
-    variance for free.
+
+def fit_projection(states: Any, dims: int, rows: np.ndarray | None = None, *,
+                   chunk_bytes: int = CHUNK_BYTES, progress: bool = False) -> Projection:
+    """z-score statistics and the top ``dims`` principal directions of ``states[rows]`` (every
+    row by default); ``states`` is [N, H]: an array, a memory map or a CPU tensor.
+
+    Streamed, so that memory does not grow with the sample: chunks of rows (``chunk_bytes`` as
+    float64) are read in turn while their sum and Gram matrix accumulate in float64 (H^2 x 8
+    bytes plus 1.5 chunks: the float32 rows read and their float64 copy). The peak is at the
+    eigendecomposition: the H x H covariance, its eigenvectors and LAPACK's workspace (syevd:
+    2 x H x H), 4 x H^2 x 8 bytes (512 MiB for H = 4096; measured in
+    benchmarks/results/pca-fit-memory.md). The covariance of z-scored states is only H x H, so
+    an exact symmetric eigendecomposition (torch.linalg.eigh) is cheaper than an iterative
+    low-rank PCA and gives the explained variance for free.
     """
     import torch
+    from tqdm import tqdm
 
-    n, hidden_size = sample.shape
+    states = np.asarray(states)  # a view: of a CPU tensor, or of a memory map (still mapped)
+    hidden_size = states.shape[1]
+    n = states.shape[0] if rows is None else len(rows)
     check_pca_dims(dims, hidden_size)
     if n < 2:
         raise DatastoreError(f"need at least 2 hidden states to fit the projection, got {n}")
-    sample = sample.to(torch.float64)
-    mean = sample.mean(0)
+    step = chunk_rows(hidden_size, chunk_bytes)
+    total = torch.zeros(hidden_size, dtype=torch.float64)
+    gram = torch.zeros(hidden_size, hidden_size, dtype=torch.float64)
+    shift = None
+    for start in tqdm(range(0, n, step), desc="fitting the projection", unit="chunk",
+                      disable=not progress):
+        index = slice(start, start + step) if rows is None else rows[start:start + step]
+        # np.array copies: a slice of a read-only memory map is never written to.
+        chunk = torch.from_numpy(np.array(states[index], dtype=np.float64))
+        if shift is None:
+            # Sums around a point near the mean rather than around 0: the covariance is then a
+            # difference of numbers of the spread's size, not of the states' magnitude.
+            shift = chunk.mean(0)
+        chunk -= shift
+        total += chunk.sum(0)
+        gram.addmm_(chunk.T, chunk)
+        del chunk  # before the next one is read: one chunk at a time
+    offset = total / n  # mean - shift
+    mean = shift + offset
+    # In place (no second H x H matrix): sum (x - mean)(x - mean)^T = gram - n offset offset^T.
+    covariance = gram.addr_(offset, offset, alpha=-n).div_(n - 1)
     # Constant dimensions carry nothing; a floor on the std keeps them from blowing up.
-    std = sample.std(0).clamp_min(1e-6)
-    z = (sample - mean) / std
-    eigenvalues, eigenvectors = torch.linalg.eigh(z.T @ z / (n - 1))
+    std = covariance.diagonal().clamp_min(0).sqrt().clamp_min(1e-6)
+    # The covariance of the z-scored states (x - mean) / std, in place.
+    covariance.div_(std[:, None]).div_(std[None, :])
+    eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
     top = torch.argsort(eigenvalues, descending=True)[:dims]
     explained = float(eigenvalues[top].clamp_min(0).sum() / eigenvalues.clamp_min(0).sum())
     return Projection(
@@ -284,11 +326,13 @@ def check_dense_index(
     *,
     expected_model_fingerprint: str | None = None,
     hidden_size: int | None = None,
+    dtype: Any = None,
     expected_tokenizer_fingerprint: str | None = None,
     verify_checksums: bool = True,
 ) -> tuple[Datastore, DenseManifest]:
     """Start-up checks: the datastore and its dense index are complete, intact and were built
-    from the model being served (same hidden size and weights)."""
+    from the model being served (same hidden size and weights, and forward passes in ``dtype``,
+    the served dtype: a torch.dtype or its name)."""
     datastore = load_datastore(datastore_path, expected_fingerprint=expected_tokenizer_fingerprint,
                                verify_checksums=verify_checksums)
     path = Path(datastore_path) / DENSE_DIR
@@ -305,8 +349,21 @@ def check_dense_index(
             f"{manifest.model_name!r} with fingerprint {manifest.model_fingerprint}, the model "
             f"being served has fingerprint {expected_model_fingerprint}. Its keys would not be "
             f"comparable with this model's hidden states; {DENSE_REBUILD_HINT} and this model")
+    if dtype is not None and dtype_name(dtype) != manifest.dtype:
+        served = dtype_name(dtype)
+        raise DatastoreError(
+            f"dense index {path} was built from {manifest.dtype} forward passes, but the model is "
+            f"served in {served}: its keys would not match the served hidden states. Serve in "
+            f"{manifest.dtype} (dtype={manifest.dtype!r}, --dtype {manifest.dtype}), or rebuild "
+            f"the index in {served}: `vllm-rsd build-datastore --dense --overwrite --dtype "
+            f"{served} -o {datastore_path} --model MODEL`")
     check_dense_files(path, manifest, verify_checksums=verify_checksums)
     return datastore, manifest
+
+
+def dtype_name(dtype: Any) -> str:
+    """How a manifest records a dtype: "float32" for torch.float32 (and for "float32")."""
+    return str(dtype).removeprefix("torch.")
 
 
 def load_dense_manifest(path: Path, datastore: Datastore) -> DenseManifest:
@@ -395,18 +452,18 @@ def write_dense_index(
         raise DatastoreError("no hidden states to index (every document is a single token?)")
     rng = np.random.default_rng(seed)
     sample_rows = np.sort(rng.choice(num_keys, size=min(fit_samples, num_keys), replace=False))
-    projection = fit_projection(torch.from_numpy(np.asarray(states[sample_rows],
-                                                            dtype=np.float32)), dims)
+    show_progress = progress is True or (progress is None and sys.stderr.isatty())
+    projection = fit_projection(states, dims, sample_rows, progress=show_progress)
     # The same temporary-directory-and-rename as a whole datastore: dense/ appears complete
     # or not at all, and the REST files beside it are never touched.
     with atomic_datastore_dir(path, overwrite=True) as tmp:
         keys = np.lib.format.open_memmap(tmp / KEYS_FILE, mode="w+", dtype=np.float16,
                                          shape=(num_keys, dims))
-        chunk = 65536
-        for start in tqdm(range(0, num_keys, chunk), desc="projecting keys", unit="chunk",
-                          disable=progress is False or (progress is None and not sys.stderr.isatty())):
-            batch = torch.from_numpy(np.asarray(states[start:start + chunk], dtype=np.float32))
-            keys[start:start + chunk] = projection(batch).astype(np.float16)
+        step = chunk_rows(hidden_size)
+        for start in tqdm(range(0, num_keys, step), desc="projecting keys", unit="chunk",
+                          disable=not show_progress):
+            batch = torch.from_numpy(np.asarray(states[start:start + step], dtype=np.float32))
+            keys[start:start + step] = projection(batch).astype(np.float16)
         keys.flush()
         np.save(tmp / POSITIONS_FILE, np.asarray(positions, dtype=np.int64))
         np.save(tmp / MEAN_FILE, projection.mean)
@@ -431,37 +488,134 @@ def write_dense_index(
     return manifest
 
 
-def model_config_json(model_dir: Path) -> dict[str, Any]:
+#: Files of a model folder that match the weight patterns but hold no weights (as vLLM's loader
+#: skips them: ``filter_files_not_needed_for_inference``).
+NOT_WEIGHT_FILES = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt",
+                    "scaler.pt")
+
+#: (weight files, the index naming the file of each tensor in a sharded checkpoint), in the
+#: order vLLM's loader prefers them.
+WEIGHT_FORMATS = (("*.safetensors", "model.safetensors.index.json"),
+                  ("*.bin", "pytorch_model.bin.index.json"),
+                  ("*.pt", None))
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """The local folder of a model named as vLLM takes it: a folder, or a Hugging Face model id
+    found in the local cache. Nothing is downloaded: building and checking a dense index must
+    not depend on the network."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import constants, snapshot_download
+
     try:
-        return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except ValueError:
+        # Not even the form of a model id: a path.
+        if Path(model).exists():
+            raise DatastoreError(
+                f"model {model} is a file; the dense index needs a model folder (config.json "
+                f"and safetensors or PyTorch weights)") from None
+        raise DatastoreError(f"model folder {model} does not exist") from None
+    except OSError:
+        raise DatastoreError(
+            f"model {str(model)!r} is not a folder, and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) either; the dense index reads the model's config and "
+            f"weights without downloading anything: download it first (`hf download {model}`) "
+            f"or pass the folder of a local copy") from None
+
+
+def model_config_json(model: str | Path) -> dict[str, Any]:
+    config_file = resolve_model_dir(model) / "config.json"
+    try:
+        return json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise DatastoreError(
-            f"cannot read {model_dir / 'config.json'} ({e}); the dense index needs a local model "
-            f"directory") from None
+            f"cannot read {config_file} ({e}); the dense index needs the model's config") from None
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
+def model_fingerprint(model: str | Path) -> str:
     """sha256 of what makes two models' hidden states comparable: the architecture numbers of
     config.json and the weights of the final norm (which differ between fine-tunes of one base).
 
-    Reads one small tensor from the safetensors files (memory-mapped), so start-up stays cheap.
+    ``model`` is a folder or a cached Hugging Face id, with safetensors or PyTorch weights (single
+    or sharded); only the final norm's tensor is read (memory-mapped), so start-up stays cheap.
+    The weights are hashed as float32, so one model saved in either format has one fingerprint.
     """
     import hashlib
 
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_dir(model)
     config = model_config_json(model_dir)
     keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "vocab_size")
     digest = hashlib.sha256(json.dumps({k: config.get(k) for k in keys},
                                        sort_keys=True).encode())
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="numpy") as f:
-            for name in f.keys():
-                if name.endswith("norm.weight") and ".layers." not in name:
-                    digest.update(np.asarray(f.get_tensor(name), dtype=np.float32).tobytes())
-                    return digest.hexdigest()
-    raise DatastoreError(
-        f"{model_dir} has no safetensors file with a final norm weight; the dense index needs a "
-        f"local model directory in safetensors format")
+    locations = _weight_locations(model_dir)
+    norms = sorted(name for name in locations if _is_final_norm(name))
+    if not norms:
+        raise DatastoreError(
+            f"{model_dir} has no safetensors or PyTorch (.bin, .pt) weights with a final norm "
+            f"weight (model.norm.weight or alike), which the dense index fingerprints the model "
+            f"by; pass a folder holding the model's complete weights")
+    # The first in name order: deterministic when a model has several (e.g. a vision tower's).
+    with _open_weights(locations[norms[0]]) as (_, read):
+        weight = read(norms[0])
+    digest.update(weight.float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _is_final_norm(name: str) -> bool:
+    """A norm's weight outside the numbered blocks (model.norm.weight, transformer.ln_f.weight,
+    model.decoder.final_layer_norm.weight; not model.layers.3.input_layernorm.weight)."""
+    parts = name.split(".")
+    return (len(parts) >= 2 and parts[-1] == "weight"
+            and ("norm" in parts[-2] or parts[-2] == "ln_f")
+            and not any(part.isdigit() for part in parts))
+
+
+def _weight_locations(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it, in the first format present: from a sharded
+    checkpoint's index when there is one, else from the files' own tensor lists."""
+    for pattern, index_name in WEIGHT_FORMATS:
+        index = model_dir / index_name if index_name else None
+        if index is not None and index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise DatastoreError(
+                    f"cannot read {index} ({e!r}); pass a folder holding the model's complete "
+                    f"weights") from None
+            return {name: model_dir / file for name, file in weight_map.items()}
+        files = [f for f in sorted(model_dir.glob(pattern)) if f.name not in NOT_WEIGHT_FILES]
+        if files:
+            locations: dict[str, Path] = {}
+            for file in files:
+                with _open_weights(file) as (names, _):
+                    locations.update(dict.fromkeys(names, file))
+            return locations
+    return {}
+
+
+@contextmanager
+def _open_weights(file: Path) -> Iterator[tuple[list[str], Callable[[str], Any]]]:
+    """(tensor names, name -> tensor) of a safetensors or PyTorch weight file, memory-mapped: a
+    tensor's bytes are read only when it is."""
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            opened = safe_open(str(file), framework="pt")
+        else:
+            import torch
+
+            opened = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    # safetensors, torch and pickle each raise their own types for a file they cannot read.
+    except Exception as e:
+        raise DatastoreError(
+            f"cannot read the weights in {file} ({type(e).__name__}: {e}); pass a folder holding "
+            f"the model's complete weights") from None
+    if isinstance(opened, dict):
+        yield list(opened), opened.__getitem__
+    else:
+        with opened:
+            yield list(opened.keys()), opened.get_tensor

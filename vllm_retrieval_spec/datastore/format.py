@@ -18,9 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import shutil
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +27,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+
+from vllm_retrieval_spec.atomic import atomic_path
 
 FORMAT_VERSION = 1
 #: Follows every document in the token stream; below every token id, so no match spans it.
@@ -301,9 +301,8 @@ def describe_file(file: Path) -> dict[str, Any]:
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write manifest.json; a builder calls this last, after every array file is complete."""
-    tmp = directory / (MANIFEST_FILE + ".partial")
-    tmp.write_text(manifest.to_json(), encoding="utf-8")
-    os.replace(tmp, directory / MANIFEST_FILE)
+    with atomic_path(directory / MANIFEST_FILE) as temporary:
+        temporary.write_text(manifest.to_json(), encoding="utf-8")
 
 
 class Int32StreamWriter:
@@ -363,29 +362,12 @@ def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False) -> Iter
     output = Path(output)
     _check_replaceable(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
-    # Only a dead build with our pid can have left this behind.
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_path(output) as tmp:
+        tmp.mkdir()
         yield tmp
         if not (tmp / MANIFEST_FILE).is_file():
             raise RuntimeError(f"the build did not write {MANIFEST_FILE} into {tmp}")
         _check_replaceable(output, overwrite)
-        if output.exists():
-            old = output.with_name(f"{output.name}.old-{os.getpid()}")
-            output.rename(old)
-            try:
-                tmp.rename(output)
-            except BaseException:
-                old.rename(output)
-                raise
-            shutil.rmtree(old)
-        else:
-            tmp.rename(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _check_replaceable(output: Path, overwrite: bool) -> None:

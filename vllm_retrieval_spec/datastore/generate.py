@@ -9,39 +9,49 @@ with the model's chat template, so stored tokens match what the model sees at se
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Any
+
+from vllm_retrieval_spec.atomic import atomic_path
 
 
-def generate_corpus(model: str, conversations: list[list[dict[str, str]]], output: str | Path, *,
-                    max_tokens: int, temperature: float = 0.0, seed: int = 0,
-                    engine_kwargs: dict[str, Any] | None = None) -> int:
-    """Answer every conversation with ``model`` (batched by vLLM); write them to ``output``.
+def answer_conversations(model: str, conversations: list[list[dict[str, str]]], *,
+                         max_tokens: int, temperature: float = 0.0, seed: int = 0,
+                         dtype: str = "float32") -> list[str]:
+    """``model``'s answer to every conversation (batched by vLLM, with a progress bar).
 
-    The file appears only when complete. Returns the number of conversations written.
+    float32 by default: our benchmarks serve in float32 (see README), and answers generated in
+    another dtype would continue differently from what is served.
     """
     from vllm import LLM, SamplingParams
 
-    output = Path(output)
+    from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
+
     if not conversations:
         raise ValueError("no prompts to answer")
-    llm = LLM(model=model, enforce_eager=True, seed=seed, **(engine_kwargs or {}))
+    llm = LLM(model=model, enforce_eager=True, seed=seed, dtype=dtype,
+              max_model_len=MAX_MODEL_LEN)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     try:
         results = llm.chat(conversations, params, use_tqdm=True)
     finally:
         # Left to interpreter exit, the engine process can keep the CLI waiting forever.
         llm.llm_engine.engine_core.shutdown()
-    temporary = output.with_name(f"{output.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "w") as f:
-            for messages, result in zip(conversations, results):
-                answer = {"role": "assistant", "content": result.outputs[0].text}
-                f.write(json.dumps({"messages": [*messages, answer]}) + "\n")
-        temporary.replace(output)
-    finally:
-        temporary.unlink(missing_ok=True)
-    print(f"wrote {len(results)} conversations to {output}", file=sys.stderr)
-    return len(results)
+    return [result.outputs[0].text for result in results]
+
+
+def generate_corpus(model: str, conversations: list[list[dict[str, str]]], output: str | Path, *,
+                    max_tokens: int, temperature: float = 0.0, seed: int = 0,
+                    dtype: str = "float32") -> int:
+    """Answer every conversation with ``model``; write them to ``output`` as a chat jsonl.
+
+    The file appears only when complete. Returns the number of conversations written.
+    """
+    answers = answer_conversations(model, conversations, max_tokens=max_tokens,
+                                   temperature=temperature, seed=seed, dtype=dtype)
+    with atomic_path(output) as temporary, open(temporary, "w") as f:
+        for messages, answer in zip(conversations, answers):
+            f.write(json.dumps({"messages": [*messages,
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    print(f"wrote {len(answers)} conversations to {output}", file=sys.stderr)
+    return len(answers)

@@ -210,6 +210,25 @@ def longest_suffix_match(
 
 
 @numba.njit(cache=True)
+def copy_continuation(tokens: np.ndarray, start: int, out: np.ndarray) -> int:
+    """Copies ``tokens[start:]`` into ``out`` until SEPARATOR, the end of the stream or a full
+    ``out``; returns the number of tokens copied.
+
+    Shared by REST's and DReSD's lookups. numba's cache does not follow calls into other
+    modules: after changing this, clear the callers' caches too (their __pycache__/*.nbi, *.nbc).
+    """
+    size = tokens.shape[0]
+    k = 0
+    while k < out.shape[0] and start + k < size:
+        t = tokens[start + k]
+        if t == SEPARATOR:
+            break
+        out[k] = t
+        k += 1
+    return k
+
+
+@numba.njit(cache=True)
 def gather_continuations(
     tokens: np.ndarray,
     sa: np.ndarray,
@@ -232,17 +251,9 @@ def gather_continuations(
     m = min(count, max(max_occurrences, 0))
     cands = np.full((m, continuation_len), SEPARATOR, dtype=np.int32)
     lengths = np.zeros(m, dtype=np.int32)
-    size = tokens.shape[0]
     for i in range(m):
         pos = np.int64(sa[lo + (np.int64(i) * count) // m]) + match_len
-        k = 0
-        while k < continuation_len and pos + k < size:
-            t = tokens[pos + k]
-            if t == SEPARATOR:
-                break
-            cands[i, k] = t
-            k += 1
-        lengths[i] = k
+        lengths[i] = copy_continuation(tokens, pos, cands[i])
     return cands, lengths
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import numba
 import numpy as np
 
-from vllm_retrieval_spec.config import DresdConfig
+from vllm_retrieval_spec.config import DresdConfig, HybridConfig
 from vllm_retrieval_spec.datastore.dense import DenseIndex
 from vllm_retrieval_spec.datastore.format import SEPARATOR
+from vllm_retrieval_spec.datastore.suffix_array import copy_continuation
 from vllm_retrieval_spec.drafting.tree import best_chain
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
@@ -45,17 +46,18 @@ def matching_continuations(tokens: np.ndarray, positions: np.ndarray, neighbours
         pos = positions[neighbours[i]] + 1
         if pos >= size or tokens[pos] != emitted:
             continue
-        k = 0
-        while k < continuation_len and pos + 1 + k < size:
-            t = tokens[pos + 1 + k]
-            if t == SEPARATOR:
-                break
-            cands[kept, k] = t
-            k += 1
-        lengths[kept] = k
+        lengths[kept] = copy_continuation(tokens, pos + 1, cands[kept])
         weights[kept] = max(scores[i], 0.0)
         kept += 1
     return cands[:kept], lengths[:kept], weights[:kept]
+
+
+def load_dense_index(config: DresdConfig | HybridConfig, model_config: Any) -> DenseIndex:
+    """The datastore's dense index, opened in the worker by the proposers that search it. The
+    front-end already checked the model, dtype, checksums and tokenizer
+    (``plugin.validate_against_model``)."""
+    return DenseIndex.from_path(config.datastore, hidden_size=model_config.get_hidden_size(),
+                                search=config.search, verify_checksums=False)
 
 
 def dresd_draft(index: DenseIndex, neighbours: np.ndarray, scores: np.ndarray, emitted: int,
@@ -91,10 +93,7 @@ class DresdProposer(RetrievalProposer):
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
-        # The front-end already checked the model, checksums and tokenizer.
-        self.index = DenseIndex.from_path(
-            self.config.datastore, hidden_size=vllm_config.model_config.get_hidden_size(),
-            search=self.config.search, verify_checksums=False)
+        self.index = load_dense_index(self.config, vllm_config.model_config)
         self.pool = ThreadPoolExecutor(self.config.search_threads,
                                        thread_name_prefix="dresd-search")
         #: This step's searches (futures until first consumed) and each batch row's
@@ -114,6 +113,9 @@ class DresdProposer(RetrievalProposer):
         so that rows whose chunk is done are voted while the rest is still searched."""
         self.row_chunk = [None] * len(rows)
         self.chunks = []
+        if self.drafting_off(sum(row >= 0 for row in rows)):
+            # propose() will draft nothing: neither project nor search.
+            return
         try:
             queries, valid = project_last_states(self.index, states, rows)
         except Exception:

@@ -19,7 +19,11 @@ from vllm_retrieval_spec.config import HybridConfig
 from vllm_retrieval_spec.datastore.dense import DenseIndex, dense_index_in_use
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.tree import best_chain
-from vllm_retrieval_spec.proposers.dresd import matching_continuations, project_last_states
+from vllm_retrieval_spec.proposers.dresd import (
+    load_dense_index,
+    matching_continuations,
+    project_last_states,
+)
 from vllm_retrieval_spec.proposers.pld import find_context_matches
 from vllm_retrieval_spec.proposers.rest import RestProposer
 
@@ -89,9 +93,7 @@ class HybridProposer(RestProposer):
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
-        self.dense = DenseIndex.from_path(
-            self.config.datastore, hidden_size=vllm_config.model_config.get_hidden_size(),
-            search=self.config.search, verify_checksums=False) \
+        self.dense = load_dense_index(self.config, vllm_config.model_config) \
             if dense_index_in_use(self.config.datastore, self.config.dense) else None
         #: This step's (states, rows) until the first row that needs a query projects them.
         self.last_states: tuple[Any, list[int]] | None = None
