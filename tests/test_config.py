@@ -3,6 +3,8 @@
 import pytest
 
 from vllm_retrieval_spec.config import (
+    ACCELERATOR_DEFAULTS,
+    VLLM_CPU_DEFAULTS,
     ConfigError,
     RestConfig,
     config_from_dict,
@@ -13,7 +15,8 @@ GOOD = {"method": "rest", "num_speculative_tokens": 8, "datastore": "/some/dir"}
 
 
 def test_parses_and_round_trips():
-    config = parse_speculative_config({**GOOD, "max-occurrences": 32, "min_prefix_prob": 0})
+    config = parse_speculative_config({**GOOD, "max-occurrences": 32, "min_prefix_prob": 0},
+                                      VLLM_CPU_DEFAULTS)
     assert isinstance(config, RestConfig)
     assert config.max_occurrences == 32 and config.min_prefix_prob == 0.0
     assert config_from_dict(config.to_dict()) == config
@@ -36,11 +39,28 @@ def test_parses_and_round_trips():
 )
 def test_bad_values_are_named(change, message):
     with pytest.raises(ConfigError, match=message):
-        parse_speculative_config({**GOOD, **change})
+        parse_speculative_config({**GOOD, **change}, VLLM_CPU_DEFAULTS)
 
 
 def test_missing_k_and_unknown_method():
     with pytest.raises(ConfigError, match=r"'num_speculative_tokens'\] is required"):
-        parse_speculative_config({"method": "rest", "datastore": "d"})
+        parse_speculative_config({"method": "rest", "datastore": "d"}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'method'\]='resst' is not a retrieval method; choose one of \['dresd', 'hybrid', 'pld', 'pld_plus', 'rest'\]"):
-        parse_speculative_config({**GOOD, "method": "resst"})
+        parse_speculative_config({**GOOD, "method": "resst"}, VLLM_CPU_DEFAULTS)
+
+
+@pytest.mark.parametrize("method", ["rest", "pld_plus"])
+def test_platform_supplies_the_defaults_the_user_leaves_out(method):
+    options = {**GOOD, "method": method}
+    if method == "pld_plus":
+        del options["datastore"]
+    cpu = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
+    gpu = parse_speculative_config(options, ACCELERATOR_DEFAULTS)
+    assert (cpu.min_draft_len, cpu.disable_by_batch_size, cpu.draft_token_cost) == (3, 6, 0.055)
+    assert (gpu.min_draft_len, gpu.disable_by_batch_size, gpu.draft_token_cost) == (1, 0, 0.01)
+    if method == "pld_plus":
+        assert (cpu.min_similarity, gpu.min_similarity) == (0.7, 0.0)
+    # What the user sets wins, on every platform; the worker gets back exactly this config.
+    mine = parse_speculative_config({**options, "min_draft_len": 2}, ACCELERATOR_DEFAULTS)
+    assert mine.min_draft_len == 2 and mine.disable_by_batch_size == 0
+    assert config_from_dict(mine.to_dict()) == mine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.config import parse_speculative_config
+from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.datastore import SuffixArrayDatastore, build_datastore_from_token_ids
 from vllm_retrieval_spec.proposers.hybrid import hybrid_draft, source_weights
 from vllm_retrieval_spec.proposers.pld import find_context_matches, pld_draft
@@ -49,7 +49,8 @@ def test_matches_brute_force(seed):
 
 def test_pld_votes_recurring_continuations():
     config = parse_speculative_config({"method": "pld", "num_speculative_tokens": 4,
-                                       "min_prefix_prob": 0.0, "prior_weight": 0.0})
+                                       "min_prefix_prob": 0.0, "prior_weight": 0.0},
+                                           VLLM_CPU_DEFAULTS)
     # "1 2" (the longest recurring suffix) was followed by "3 4" twice and by "8" once; the
     # majority wins, then the tie between "0" and "6" goes to the most recent occurrence.
     context = np.array([5, 1, 2, 3, 4, 6, 1, 2, 8, 7, 1, 2, 3, 4, 0, 1, 2], dtype=np.int32)
@@ -76,7 +77,7 @@ def datastore(tmp_path):
 def hybrid(path, **options):
     return parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
                                      "datastore": path, "min_prefix_prob": 0.0,
-                                     "prior_weight": 0.0, **options})
+                                     "prior_weight": 0.0, **options}, VLLM_CPU_DEFAULTS)
 
 
 def test_hybrid_merges_context_and_datastore(datastore):

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from test_datastore import make_tokenizer
+from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
 from vllm_retrieval_spec.config import ConfigError
 from vllm_retrieval_spec.datastore import DatastoreError, build_datastore
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.e2e
 def start(model_dir, **spec):
     from vllm import LLM
 
-    return LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=2048,
+    return LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
                speculative_config={"method": "rest", "num_speculative_tokens": 8, **spec})
 
 
@@ -78,7 +79,7 @@ def test_pld_plus_refuses_explicit_prefix_caching(model_dir):
 
     with pytest.raises(ConfigError, match=r"method 'pld_plus' needs hidden states for every "
                                           r"context token.*enable_prefix_caching=False"):
-        LLM(model=model_dir, enforce_eager=True, max_model_len=2048, enable_prefix_caching=True,
+        LLM(model=model_dir, enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
             speculative_config={"method": "pld_plus", "num_speculative_tokens": 8})
 
 
@@ -87,14 +88,14 @@ def test_pld_plus_layer_beyond_the_model(model_dir):
 
     with pytest.raises(ConfigError, match=r"'layer'\]=31 is out of range for this model: it "
                                           r"has 30 layers"):
-        LLM(model=model_dir, enforce_eager=True, max_model_len=2048,
+        LLM(model=model_dir, enforce_eager=True, max_model_len=MAX_MODEL_LEN,
             speculative_config={"method": "pld_plus", "num_speculative_tokens": 8, "layer": 31})
 
 
 def start_dense(model_dir, datastore, method="dresd", **spec):
     from vllm import LLM
 
-    return LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=2048,
+    return LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
                speculative_config={"method": method, "num_speculative_tokens": 8,
                                    "datastore": str(datastore), **spec})
 
@@ -139,6 +140,20 @@ def test_dresd_index_of_another_hidden_size(model_dir, dense_copy):
     with pytest.raises(DatastoreError, match=r"holds states of hidden size 1024 .* the model "
                                              r"being served has hidden size 576"):
         start_dense(model_dir, dense_copy)
+
+
+@pytest.mark.parametrize("method", ["dresd", "hybrid"])
+def test_dense_index_of_another_dtype(model_dir, dense_copy, method):
+    # The build records the dtype vLLM resolved (the CLI's default is float32).
+    manifest = json.loads((dense_copy / "dense" / "manifest.json").read_text())
+    assert manifest["dtype"] == "float32"
+    edit_dense_manifest(dense_copy, dtype="bfloat16")
+    with pytest.raises(DatastoreError, match=r"was built from bfloat16 forward passes, but the "
+                                             r"model is served in float32: .* Serve in bfloat16 "
+                                             r".* or rebuild the index in float32: `vllm-rsd "
+                                             r"build-datastore --dense --overwrite --dtype "
+                                             r"float32 -o .*dense-copy --model MODEL`"):
+        start_dense(model_dir, dense_copy, method)
 
 
 @pytest.mark.parametrize("dims", ["0", "577"])

@@ -43,6 +43,9 @@ def test_burst_of_concurrent_requests(inject_faults, model_dir, code_datastore, 
                                       plain_outputs, tokenizer, tmp_path):
     spec = {"method": "rest", "num_speculative_tokens": K, "datastore": code_datastore,
             "inject_faults": inject_faults,
+            # The healthy run must have no failure of any kind; a time budget would make that
+            # depend on how busy the machine is. The faulty run overruns it on purpose.
+            "draft_budget_ms": 5.0 if inject_faults else 0.0,
             # Keep drafting with all 12 requests running: the burst is to load the drafter.
             "disable_by_batch_size": 0}
     jobs = [(i % len(code_prompts), 0.0 if i % 4 < 2 else 0.8, i % 2 == 1)

@@ -117,9 +117,17 @@ def test_triton_keeps_a_zero_projection_at_zero(triton_outputs):
     assert torch.equal(triton_outputs["zero-row"][0], torch.zeros(16))
 
 
-def test_project_uses_reference_on_cpu():
-    args = _inputs(3, 64, 16, torch.bfloat16)
-    assert torch.equal(project(*args), project_reference(*args))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_project_on_cpu_is_the_normalised_pca_of_the_zscored_states(dtype):
+    import numpy as np
+
+    hidden, mean, inv_std, components = _inputs(3, 64, 16, dtype)
+    x = hidden.float().numpy().astype(np.float64)
+    y = ((x - mean.numpy()) * inv_std.numpy()) @ components.numpy().astype(np.float64)
+    expected = y / np.linalg.norm(y, axis=1, keepdims=True)
+    out = project(hidden, mean, inv_std, components)
+    assert out.dtype == torch.float32
+    np.testing.assert_allclose(out.numpy(), expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(

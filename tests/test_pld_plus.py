@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_retrieval_spec.config import PLUGIN_KEY, parse_speculative_config
+from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.proposers.hidden_states import HiddenStateCache, unit_rows
 from vllm_retrieval_spec.proposers.pld import PldPlusProposer, pld_plus_draft, rank_occurrences
 
@@ -56,7 +56,7 @@ def test_ranking_matches_brute_force(seed):
 
 def config(**options):
     return parse_speculative_config({"method": "pld_plus", "num_speculative_tokens": 3,
-                                     **options})
+                                     **options}, VLLM_CPU_DEFAULTS)
 
 
 def test_draft_follows_the_most_similar_occurrence():

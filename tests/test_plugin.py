@@ -1,6 +1,9 @@
-"""The plugin refuses a vLLM whose wrapped internals changed, and patches exactly once."""
+"""The plugin patches only the vLLM it was written against; on any other it stays out of the way."""
 
 from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,38 +16,80 @@ from vllm_retrieval_spec import plugin  # noqa: E402
 
 def test_accepts_the_installed_vllm_also_once_patched():
     # vLLM calls register() in every process; the check must then still see vLLM's originals.
-    plugin.check_vllm_compatibility()
+    assert plugin.vllm_incompatibility() is None
     plugin.register()
-    plugin.check_vllm_compatibility()
+    assert plugin.vllm_incompatibility() is None
 
 
-def test_rejects_another_vllm_version(monkeypatch):
+def test_names_another_vllm_version(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(plugin.IncompatibleVllmError,
-                       match=r"found vLLM 0.33.0. vllm-retrieval-spec supports vLLM 0.32.\*"):
-        plugin.check_vllm_compatibility()
+    assert plugin.vllm_incompatibility().startswith(
+        "found vLLM 0.33.0. vllm-retrieval-spec supports vLLM 0.32.*")
 
 
-def test_rejects_a_changed_signature(monkeypatch):
+def test_names_a_changed_signature(monkeypatch):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def changed(self, scheduler_output, sampled_token_ids):
         pass
 
     monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", changed)
-    with pytest.raises(plugin.IncompatibleVllmError,
-                       match=r"GPUModelRunner.propose_draft_token_ids has parameters "
-                             r"\('self', 'scheduler_output', 'sampled_token_ids'\)"):
-        plugin.check_vllm_compatibility()
+    assert plugin.vllm_incompatibility().startswith(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids has parameters "
+        "('self', 'scheduler_output', 'sampled_token_ids')")
 
 
-def test_register_is_idempotent():
+def test_on_another_vllm_nothing_is_patched_and_only_our_methods_fail(monkeypatch, caplog):
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    plugin.register()
-    wrapped = EngineArgs.create_speculative_config
-    plugin.register()
-    assert EngineArgs.create_speculative_config is wrapped
+    calls = []
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        calls.append((self.speculative_config, target_model_config, target_parallel_config))
+        return "vLLM's own config"
+
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", create_speculative_config)
+    # Whatever register() would change is put back after the test.
+    create_engine_config = EngineArgs.create_engine_config
+    monkeypatch.setattr(EngineArgs, "create_engine_config", create_engine_config)
+    propose = GPUModelRunner.propose_draft_token_ids
+    monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", propose)
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.delenv(plugin._WARNED_ENV, raising=False)
+
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        plugin.register()
+    warnings = [r.getMessage() for r in caplog.records if r.name == plugin.__name__]
+    assert warnings == ["vllm-retrieval-spec is inactive, vLLM runs unpatched: found vLLM "
+                        "0.33.0. vllm-retrieval-spec supports vLLM 0.32.*; install that "
+                        "version, or set VLLM_RSD_DISABLE=1 to run vLLM without this plugin"]
+    assert GPUModelRunner.propose_draft_token_ids is propose
+    assert EngineArgs.create_engine_config is create_engine_config
+
+    # vLLM's own methods, and no speculation at all, reach vLLM unchanged.
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    for options in (ngram, None):
+        engine_args = SimpleNamespace(speculative_config=options)
+        assert EngineArgs.create_speculative_config(engine_args, "model", "parallel") == \
+            "vLLM's own config"
+    assert calls == [(ngram, "model", "parallel"), (None, "model", "parallel")]
+    # Ours fail with the reason instead of vLLM's list of its own method names.
+    engine_args = SimpleNamespace(speculative_config={"method": "rest",
+                                                      "num_speculative_tokens": 4})
+    with pytest.raises(plugin.IncompatibleVllmError,
+                       match=r"speculative_config method 'rest' is unavailable: found vLLM "
+                             r"0.33.0"):
+        EngineArgs.create_speculative_config(engine_args, "model", "parallel")
+    assert len(calls) == 2
+
+    # vLLM's engine and worker processes load the plugin again: they do not warn again.
+    caplog.clear()
+    monkeypatch.setattr(plugin, "_registered", False)
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        plugin.register()
+    assert not [r for r in caplog.records if r.name == plugin.__name__]
 
 
 def test_expand_batch_to_tokens_replacement():
@@ -58,3 +103,15 @@ def test_expand_batch_to_tokens_replacement():
     top_k = expand(torch.tensor([5, 0, 7], dtype=torch.int32), cu, 9)
     assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 5, 0, 0, 7, 7, 7, 7]
     assert expand(torch.tensor([2.0]), torch.tensor([0]), 0).numel() == 0
+
+
+def test_top_k_of_a_step_without_draft_tokens():
+    import torch
+
+    original = pytest.importorskip("vllm.v1.sample.rejection_sampler").apply_top_k_top_p
+    apply = plugin._without_empty_batches(original)
+    empty = torch.empty(0, 8)
+    assert apply(empty, torch.empty(0, dtype=torch.int64), None) is empty
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    masked = apply(logits.clone(), torch.tensor([2]), None)
+    assert masked.tolist() == [[-float("inf"), 3.0, -float("inf"), 2.0]]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.config import PLUGIN_KEY, parse_speculative_config
+from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.rest import RestProposer
@@ -17,7 +17,7 @@ VOCAB = 100
 
 
 def vllm_config(options: dict, max_model_len: int = 64):
-    config = parse_speculative_config(options)
+    config = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
     return SimpleNamespace(
         additional_config={PLUGIN_KEY: config.to_dict()},
         speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),

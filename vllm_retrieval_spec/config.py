@@ -7,6 +7,11 @@ Users pass one flat dict, as for vLLM's own methods::
 ``parse_speculative_config`` turns it into a frozen dataclass once, at start-up, in the process
 that builds the engine config; every bad value fails there with a message that names the option
 and what is allowed. The worker re-creates the same dataclass from ``additional_config``.
+
+A few defaults are measurements of the platform vLLM runs on, not properties of a method (how
+much verifying one more draft token costs, how large a batch still gains from drafts). They come
+from ``PlatformDefaults``: ``VLLM_CPU_DEFAULTS`` where the forward runs on CPU cores,
+``ACCELERATOR_DEFAULTS`` on a GPU; ``vllm-rsd calibrate`` measures this machine's own.
 """
 
 from __future__ import annotations
@@ -32,38 +37,87 @@ class ConfigError(ValueError):
     """A speculative_config option is missing, unknown or out of range."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class PlatformDefaults:
+    """Defaults of the options that depend on where the target model runs."""
+
+    name: str
+    #: A request whose drafting takes longer than this (ms) gets no draft that step.
+    draft_budget_ms: float
+    #: Verifying one more draft token costs this fraction of a forward.
+    draft_token_cost: float
+    #: No drafts while this many requests or more are running (0 = always draft).
+    disable_by_batch_size: int
+    #: Drafts are empty or at least this long.
+    min_draft_len: int
+    #: PLD+: occurrences less similar than this are not drafted from.
+    min_similarity: float
+
+    def for_options(self, names: set[str]) -> dict[str, Any]:
+        """The defaults among ``names`` (a method's option names)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name in names}
+
+
+#: Measured on vLLM-CPU 0.32 with SmolLM2-135M (float32, 2 cores); the sources:
+#: - draft_budget_ms 5: a plain step takes ~60-70 ms there and drafting normally well under
+#:   1 ms, so 5 ms (7% of a step) only catches pathological lookups.
+#: - draft_token_cost 0.055: REST's steps took 67.5 ms with 2.18 draft tokens against 60.2 ms
+#:   plain (benchmarks/results/codegen-humaneval-stdlib.json).
+#: - disable_by_batch_size 6: benchmarks/results/codegen-batch-crossover-c*: at 4 concurrent
+#:   requests every method beat plain decoding (ngram 1.17x, pld 1.29x, rest 1.15x, dresd
+#:   1.17x), at 8 none did (0.94x, 1.00x, 0.81x, 0.72x).
+#: - min_draft_len 3: a step verifying 1 draft token took 86 ms against 71 ms for none and
+#:   58-66 ms for 2-5 (verify-cost.md), so a lone draft token is the costliest draft there is;
+#:   3 rather than 2 because replay of prompts 20-39 gave more tokens per forward (hybrid,
+#:   summarize: 1.76 at 1, 1.79 at 2, 1.82 at 3).
+#: - min_similarity 0.7 (PLD+): at the paper's 0 a draft of k tokens goes out almost every step,
+#:   ~5% of a forward per drafted token; 0.7 was best replaying prompts 20-39 of three tasks.
+VLLM_CPU_DEFAULTS = PlatformDefaults(
+    name="vllm-cpu", draft_budget_ms=5.0, draft_token_cost=0.055, disable_by_batch_size=6,
+    min_draft_len=3, min_similarity=0.7)
+
+#: For GPUs, where a forward is 3-20 ms and verifying 64 tokens costs little more than one (not
+#: measured by this project: no GPU with vLLM was available; run `vllm-rsd calibrate` there):
+#: - draft_budget_ms 1: a tenth of a fast 10 ms step.
+#: - draft_token_cost 0.01: DReSD's best greedy shape verifies 60 tokens a step on a 7 B model
+#:   (arXiv 2502.15572, section 5.4) and REST verifies 64-node trees (arXiv 2311.08252), which
+#:   pays only if a draft token costs about 1% of a forward or less.
+#: - disable_by_batch_size 0: vLLM's own default for its drafters (never off).
+#: - min_draft_len 1: the CPU's penalty on 1-token drafts comes from vLLM-CPU's kernels.
+#: - min_similarity 0.0: the PLD+ paper's best threshold on an A100 (its Table 7).
+ACCELERATOR_DEFAULTS = PlatformDefaults(
+    name="accelerator", draft_budget_ms=1.0, draft_token_cost=0.01, disable_by_batch_size=0,
+    min_draft_len=1, min_similarity=0.0)
+
+
+def platform_defaults(is_cpu: bool) -> PlatformDefaults:
+    return VLLM_CPU_DEFAULTS if is_cpu else ACCELERATOR_DEFAULTS
+
+
+@dataclass(frozen=True, kw_only=True)
 class MethodConfig:
-    """Options every retrieval method shares."""
+    """Options every retrieval method shares. The ones without a default here come from the
+    platform (``PlatformDefaults``) unless the user sets them."""
 
     method: ClassVar[str]
     proposer_class: ClassVar[str]
 
     num_speculative_tokens: int
     #: A request whose drafting takes longer than this (ms) gets no draft that step; the event
-    #: is counted. 0 = no budget. A plain step of SmolLM2 on our CPUs takes ~60 ms and drafting
-    #: normally well under 1 ms, so 5 ms only catches pathological lookups.
-    draft_budget_ms: float = 5.0
+    #: is counted. 0 = no budget.
+    draft_budget_ms: float
     #: Cap each request's draft length by its recent acceptance (``drafting.adaptive``).
     adaptive_draft_len: bool = True
-    #: Verifying one more draft token costs this fraction of a forward (SmolLM2, fp32, 2 CPU
-    #: cores: 0.055, benchmarks/replay.py). Sets where adaptive drafts stop paying.
-    draft_token_cost: float = 0.055
+    #: Verifying one more draft token costs this fraction of a forward: where adaptive drafts
+    #: stop paying.
+    draft_token_cost: float
     #: No drafts while this many requests or more are running (0 = always draft): a batch's
-    #: forward costs more per extra token as it grows, so verification stops paying. Measured
-    #: on HumanEval with 16 prompts (benchmarks/results/codegen-batch-crossover-c*): at 4
-    #: concurrent requests every method was faster than plain (ngram 1.17x, pld 1.29x, rest
-    #: 1.15x, dresd 1.17x), at 8 none was (0.94x, 1.00x, 0.81x, 0.72x).
-    disable_by_batch_size: int = 6
+    #: forward costs more per extra token as it grows, so verification stops paying.
+    disable_by_batch_size: int
     #: Drafts are empty or at least this long (capped by k): shorter ones are extended along
-    #: the trie's heaviest path where the method has one, else dropped. On vLLM-CPU a step
-    #: verifying 1 draft token took 86 ms against 71 ms for none and 58-66 ms for 2-5 (SmolLM2,
-    #: fp32, 50-token context, medians of 3; 700 tokens: 89 / 79 / 66-73 ms;
-    #: benchmarks/results/verify-cost.md), so a lone draft token is the costliest draft there
-    #: is. 3 rather than 2: it costs no more, and replay on prompts 20-39 gives more tokens per
-    #: forward (hybrid, summarize: 1.76 at 1, 1.79 at 2, 1.82 at 3). Set 1 where a lone token is
-    #: cheap (GPUs).
-    min_draft_len: int = 3
+    #: the trie's heaviest path where the method has one, else dropped.
+    min_draft_len: int
     #: Testing aid, 0 in production: this fraction of draft attempts fails on purpose, in turn
     #: raising, drafting k + 1 tokens, drafting an id outside the vocabulary and overrunning the
     #: time budget, to show that such faults cost drafts, never the engine.
@@ -81,7 +135,7 @@ class MethodConfig:
         return {"method": self.method, **dataclasses.asdict(self)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrieDraftConfig(MethodConfig):
     """Methods that vote retrieved continuations in a trie and draft its best chain."""
 
@@ -100,7 +154,7 @@ class TrieDraftConfig(MethodConfig):
         _check_range(self, "prior_weight", 0.0, 1e6)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VotedDraftConfig(TrieDraftConfig):
     """Methods that vote the continuations of a suffix match (REST, PLD)."""
 
@@ -117,7 +171,7 @@ class VotedDraftConfig(TrieDraftConfig):
         _check_range(self, "max_occurrences", 1, 4096)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RestConfig(VotedDraftConfig):
     """REST: exact suffix match in a token datastore (paper: arXiv 2311.08252)."""
 
@@ -138,7 +192,7 @@ class RestConfig(VotedDraftConfig):
         super().__post_init__()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PldConfig(VotedDraftConfig):
     """PLD: n-gram lookup in the request's own context (baseline of arXiv 2412.01447)."""
 
@@ -146,7 +200,7 @@ class PldConfig(VotedDraftConfig):
     proposer_class: ClassVar[str] = "vllm_retrieval_spec.proposers.pld.PldProposer"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PldPlusConfig(MethodConfig):
     """PLD+ (arXiv 2412.01447, "PLD+(h)"): earlier occurrences of the last token, ranked by the
     cosine similarity of an early layer's hidden state before each occurrence with the one
@@ -160,10 +214,8 @@ class PldPlusConfig(MethodConfig):
     #: SmolLM2 (30 layers) 15 beat 2-12 and 20 when replaying HumanEval, Lee-corpus and
     #: code-edit prompts 20-39 (benchmarks/replay.py).
     layer: int = 15
-    #: Occurrences less similar than this are not drafted from (the paper's theta, 0 there).
-    #: At 0 a draft of k tokens goes out almost every step; on our CPUs each drafted token
-    #: costs ~5% of a forward, and 0.7 was the best trade-off on the same replays.
-    min_similarity: float = 0.7
+    #: Occurrences less similar than this are not drafted from (the paper's theta).
+    min_similarity: float
     #: Only the most recent occurrences are ranked, bounding the cost per step.
     max_candidates: int = 256
 
@@ -174,7 +226,7 @@ class PldPlusConfig(MethodConfig):
         _check_range(self, "max_candidates", 1, 1 << 20)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DenseSearchConfig(TrieDraftConfig):
     """How a dense index is searched (DReSD, and hybrid's dense source)."""
 
@@ -189,7 +241,7 @@ class DenseSearchConfig(TrieDraftConfig):
         _check_choice(self, "search", DENSE_SEARCH_BACKENDS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HybridConfig(RestConfig, DenseSearchConfig):
     """The request's own context, the datastore's suffix array and, when the datastore has one,
     its dense index, voted in one trie (the best of all three).
@@ -233,7 +285,7 @@ class HybridConfig(RestConfig, DenseSearchConfig):
         _check_choice(self, "dense", HYBRID_DENSE_MODES)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DresdConfig(DenseSearchConfig):
     """DReSD (arXiv 2502.15572): the last hidden state, projected (z-norm, PCA, L2), searched in
     a dense index; neighbours whose stored next token is the token just emitted vote their
@@ -266,8 +318,10 @@ METHODS: dict[str, type[MethodConfig]] = {
 }
 
 
-def parse_speculative_config(options: dict[str, Any]) -> MethodConfig:
-    """Validate a user's speculative_config dict for one of our methods."""
+def parse_speculative_config(options: dict[str, Any], platform: PlatformDefaults
+                             ) -> MethodConfig:
+    """Validate a user's speculative_config dict for one of our methods; options it leaves out
+    that depend on the platform come from ``platform``."""
     options = {str(k).replace("-", "_"): v for k, v in options.items()}
     method = options.pop("method", None)
     if method not in METHODS:
@@ -289,12 +343,17 @@ def parse_speculative_config(options: dict[str, Any]) -> MethodConfig:
         )
     hints = typing.get_type_hints(cls)
     values = {name: _coerce(name, value, hints[name]) for name, value in options.items()}
-    return cls(**values)
+    return cls(**{**platform.for_options(set(fields)), **values})
 
 
 def config_from_dict(data: dict[str, Any]) -> MethodConfig:
-    """Inverse of ``MethodConfig.to_dict`` (the worker side of ``additional_config``)."""
-    return parse_speculative_config(dict(data))
+    """Inverse of ``MethodConfig.to_dict`` (the worker side of ``additional_config``): every
+    option is there already, the platform's defaults included."""
+    data = dict(data)
+    cls = METHODS.get(data.pop("method", None))
+    if cls is None:
+        raise ConfigError(f"additional_config holds no retrieval method: {data}")
+    return cls(**data)
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:

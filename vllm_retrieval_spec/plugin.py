@@ -1,7 +1,9 @@
 """The ``vllm.general_plugins`` entry point: every patch of vLLM internals lives here.
 
 vLLM calls ``register()`` in each process it starts (front-end, engine core, workers). It
-checks the vLLM version and the exact signatures of the private methods it wraps, then:
+checks the vLLM version and the exact signatures of the private methods it wraps; on any other
+vLLM it patches nothing (one warning; a config naming one of our methods fails with the reason).
+Otherwise:
 
 - ``EngineArgs.create_engine_config``: turns prefix caching off for PLD+ (refused if asked for).
 - ``EngineArgs.create_speculative_config``: rewrites ``{"method": "rest", ...}`` into vLLM's
@@ -23,6 +25,9 @@ checks the vLLM version and the exact signatures of the private methods it wraps
   drops it, so every speculative step of a batch holding a sampled (temperature > 0) request
   divides all logits by uninitialised memory: greedy requests beside it decode garbage, with
   vLLM's own ``ngram`` too. Replaced by a torch implementation.
+- ``vllm.v1.sample.rejection_sampler.apply_top_k_top_p``, on CPU only: a step without any draft
+  token crashes vLLM-CPU's top-k (``max()`` of an empty tensor) and kills the engine, with
+  vLLM's own ``ngram`` too; an empty batch is now returned as it is.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from vllm_retrieval_spec.config import (
     MethodConfig,
     PldPlusConfig,
     parse_speculative_config,
+    platform_defaults,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,9 +73,13 @@ _WRAPPED_SIGNATURES = {
         "self",),
     "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens": (
         "x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
+    "vllm.v1.sample.rejection_sampler.apply_top_k_top_p": ("logits", "k", "p"),
 }
 
 _registered = False
+#: Set once the incompatibility warning was logged, so vLLM's child processes (engine core,
+#: workers), which load every plugin again, do not repeat it.
+_WARNED_ENV = "VLLM_RSD_INCOMPATIBLE_WARNED"
 
 
 class IncompatibleVllmError(RuntimeError):
@@ -77,11 +87,20 @@ class IncompatibleVllmError(RuntimeError):
 
 
 def register() -> None:
-    """Apply our patches once per process."""
+    """Apply our patches once per process; on a vLLM we were not written against, patch
+    nothing but a guard that explains why our methods are unavailable."""
     global _registered
     if _registered or os.environ.get(DISABLE_ENV) == "1":
         return
-    check_vllm_compatibility()
+    _registered = True
+    problem = vllm_incompatibility()
+    if problem is not None:
+        # Installing this plugin must never break vLLM for people who do not use its methods.
+        if os.environ.get(_WARNED_ENV) != "1":
+            logger.warning("vllm-retrieval-spec is inactive, vLLM runs unpatched: %s", problem)
+            os.environ[_WARNED_ENV] = "1"
+        _refuse_our_methods(problem)
+        return
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -97,12 +116,11 @@ def register() -> None:
     GPUModelRunner.propose_draft_token_ids = _timed_with_hidden_states(
         GPUModelRunner.propose_draft_token_ids)
     Worker.rsd_drafting_stats = _drafting_stats
-    _fix_cpu_expand_batch_to_tokens()
-    _registered = True
+    _fix_cpu_rejection_sampler()
 
 
-def check_vllm_compatibility() -> None:
-    """Fail with a clear message on a vLLM whose internals we were not written against."""
+def vllm_incompatibility() -> str | None:
+    """Why the installed vLLM is not one whose internals we were written against, or None."""
     import importlib
 
     import vllm
@@ -110,7 +128,7 @@ def check_vllm_compatibility() -> None:
     hint = (f"vllm-retrieval-spec supports vLLM {SUPPORTED_VLLM}*; install that version, or set "
             f"{DISABLE_ENV}=1 to run vLLM without this plugin")
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
-        raise IncompatibleVllmError(f"found vLLM {vllm.__version__}. {hint}")
+        return f"found vLLM {vllm.__version__}. {hint}"
     for path, expected in _WRAPPED_SIGNATURES.items():
         module_name, owner_name, method_name = path.rsplit(".", 2)
         try:  # a method of a class, or a function of a module
@@ -119,15 +137,36 @@ def check_vllm_compatibility() -> None:
             owner = getattr(importlib.import_module(module_name), owner_name, None)
         method = getattr(owner, method_name, None)
         if method is None:
-            raise IncompatibleVllmError(f"vLLM {vllm.__version__} has no {path}. {hint}")
+            return f"vLLM {vllm.__version__} has no {path}. {hint}"
         found = tuple(inspect.signature(method).parameters)
         if found != expected:
+            return (f"{path} has parameters {found} in vLLM {vllm.__version__}, expected "
+                    f"{expected}. {hint}")
+    return None
+
+
+def _refuse_our_methods(problem: str) -> None:
+    """The one thing installed on an unsupported vLLM: a speculative config naming one of our
+    methods fails with ``problem`` instead of vLLM's list of its own method names. Every other
+    config reaches vLLM's method untouched."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    create_speculative_config = getattr(EngineArgs, "create_speculative_config", None)
+    if create_speculative_config is None:
+        return
+
+    @functools.wraps(create_speculative_config)
+    def guard(self, *args, **kwargs):
+        options = self.speculative_config
+        if isinstance(options, dict) and options.get("method") in METHODS:
             raise IncompatibleVllmError(
-                f"{path} has parameters {found} in vLLM {vllm.__version__}, expected "
-                f"{expected}. {hint}")
+                f"speculative_config method {options['method']!r} is unavailable: {problem}")
+        return create_speculative_config(self, *args, **kwargs)
+
+    EngineArgs.create_speculative_config = guard
 
 
-def _fix_cpu_expand_batch_to_tokens() -> None:
+def _fix_cpu_rejection_sampler() -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -136,6 +175,23 @@ def _fix_cpu_expand_batch_to_tokens() -> None:
 
     rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens(
         rejection_sampler.expand_batch_to_tokens)
+    rejection_sampler.apply_top_k_top_p = _without_empty_batches(
+        rejection_sampler.apply_top_k_top_p)
+
+
+def _without_empty_batches(apply_top_k_top_p: Callable) -> Callable:
+    """A step can reach the rejection sampler with no draft tokens at all (every request's
+    draft empty), and vLLM-CPU's top-k then calls ``max()`` on an empty tensor: the engine dies,
+    with vLLM's own ``ngram`` as with our methods, as soon as a sampled request sets top_k.
+    No rows, nothing to mask."""
+
+    @functools.wraps(apply_top_k_top_p)
+    def apply(logits, k, p):
+        if logits.shape[0] == 0:
+            return logits
+        return apply_top_k_top_p(logits, k, p)
+
+    return apply
 
 
 def _expand_batch_to_tokens(expand_batch_to_tokens: Callable) -> Callable:
@@ -158,7 +214,9 @@ def _with_retrieval_methods(create_speculative_config: Callable) -> Callable:
     def wrapper(self, target_model_config, target_parallel_config):
         options = self.speculative_config
         if isinstance(options, dict) and options.get("method") in METHODS:
-            config = parse_speculative_config(options)
+            from vllm.platforms import current_platform
+
+            config = parse_speculative_config(options, platform_defaults(current_platform.is_cpu()))
             validate_against_model(config, target_model_config)
             self.additional_config = {**(self.additional_config or {}),
                                       PLUGIN_KEY: config.to_dict()}
@@ -225,7 +283,7 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
             isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense)):
         check_dense_index(
             datastore, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            hidden_size=model_config.get_hidden_size(),
+            hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
             expected_model_fingerprint=model_fingerprint(model_config.model),
             verify_checksums=config.verify_checksums)
         return

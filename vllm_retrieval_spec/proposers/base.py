@@ -79,8 +79,7 @@ class RetrievalProposer:
         running = sum(1 for sampled in sampled_token_ids if sampled)
         self.metrics.target_forwards.inc(running)
         self.metrics.output_tokens.inc(sum(map(len, sampled_token_ids)))
-        limit = self.config.disable_by_batch_size
-        if limit and running >= limit:
+        if self.drafting_off(running):
             # Verifying drafts for a batch this large costs more than they save.
             self.last_draft_len.clear()
             return [[] for _ in sampled_token_ids]
@@ -106,6 +105,12 @@ class RetrievalProposer:
                 self.last_draft_len[req_id] = len(draft)
             drafts.append(draft)
         return drafts
+
+    def drafting_off(self, running: int) -> bool:
+        """No drafts this step: ``running`` requests sampled a token, as many as
+        ``disable_by_batch_size`` or more."""
+        limit = self.config.disable_by_batch_size
+        return bool(limit) and running >= limit
 
     def stats(self) -> dict[str, int]:
         """Counters the ``rsd_drafting_stats`` worker RPC reports."""
