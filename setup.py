@@ -28,6 +28,7 @@ setup(
         "tqdm",
         "gguf",  # reads the GGUF model file shipped on PyPI (assets.model_path)
         "scann==1.4.2",  # DReSD's approximate nearest-neighbour search (Linux x86-64 wheels)
+        "matplotlib",  # the benchmark's plot
     ],
     extras_require={"test": ["pytest"]},
     entry_points={

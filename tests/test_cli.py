@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from vllm_retrieval_spec import cli
 @pytest.fixture
 def exec_argv(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(cli.os, "execv", lambda path, argv: calls.append(argv))
+    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: calls.append(argv))
     model = tmp_path / "model"
     model.mkdir()
     return calls, str(model)
@@ -37,7 +38,38 @@ def test_speculative_config_passes_through(exec_argv):
     calls, model = exec_argv
     config = '{"method": "pld", "num_speculative_tokens": 4}'
     cli.main(["serve", model, "--speculative-config", config])
-    assert calls[0][-2:] == ["--speculative-config", config]
+    assert calls[0][5:7] == ["--speculative-config", config]
+
+
+def test_served_model_name_is_what_the_user_typed(exec_argv, monkeypatch):
+    calls, model = exec_argv
+    # A model fetched offline is served from its cache folder ...
+    monkeypatch.setattr(cli, "resolve_model", lambda name: "/cache/models/" + name)
+    cli.main(["serve", "SmolLM2-135M-Instruct", "--port", "8001"])
+    assert calls[0][3:] == ["--model", "/cache/models/SmolLM2-135M-Instruct", "--port", "8001",
+                            "--served-model-name", "SmolLM2-135M-Instruct"]
+    # ... and a name the user gives wins.
+    cli.main(["serve", "SmolLM2-135M-Instruct", "--served-model-name=smol"])
+    assert calls[1][3:] == ["--model", "/cache/models/SmolLM2-135M-Instruct",
+                            "--served-model-name=smol"]
+
+
+def test_each_server_gets_its_own_metrics_directory(monkeypatch, tmp_path):
+    """The multiprocess metrics directory goes to the server's environment, not the caller's:
+    a process that starts several servers (tests, scripts) must not hand later ones the first
+    one's directory, whose counters would then add up across servers."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    envs = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: envs.append(env))
+    cli.main(["serve", str(tmp_path)])
+    cli.main(["serve", str(tmp_path)])
+    first, second = (Path(env["PROMETHEUS_MULTIPROC_DIR"]) for env in envs)
+    assert first != second and first.is_dir() and second.is_dir()
+    assert "PROMETHEUS_MULTIPROC_DIR" not in cli.os.environ
+    # One the user chose is kept.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    cli.main(["serve", str(tmp_path)])
+    assert envs[2]["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -86,3 +118,56 @@ def test_bench_unknown_method_is_an_error_not_a_traceback(tmp_path):
     model.mkdir()
     with pytest.raises(SystemExit, match="error: unknown method 'nope'"):
         cli.main(["bench", "--model", str(model), "--methods", "ngram,nope"])
+
+
+NEITHER_OR_BOTH = 'expected an object with either "prompt" .* or "messages"'
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "a", "messages": []}', NEITHER_OR_BOTH),
+    ('{"text": "a"}', NEITHER_OR_BOTH),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+    ('not json', "not a JSON object"),
+    ('[1]', "not a JSON object"),
+])
+def test_bad_prompts_file_lines_are_named(tmp_path, line, message):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(SystemExit, match=rf"error: {prompts}:3: {message}"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--prompts-file",
+                  str(prompts)])
+
+
+def test_prompts_files_are_tasks_named_after_the_file(tmp_path):
+    from vllm_retrieval_spec.benchmarks.tasks import file_requests
+
+    (tmp_path / "a").mkdir()
+    for path in (tmp_path / "code-gen.jsonl", tmp_path / "mine.jsonl", tmp_path / "a/mine.jsonl"):
+        path.write_text('{"prompt": "x"}\n{"messages": [{"role": "user", "content": "y"}]}\n')
+    assert file_requests(tmp_path / "mine.jsonl", 1, 1) == [[{"role": "user", "content": "y"}]]
+    for files in (["code-gen.jsonl"], ["mine.jsonl", "a/mine.jsonl"]):
+        args = ["--prompts-file", *" --prompts-file ".join(
+            str(tmp_path / f) for f in files).split(" ")]
+        with pytest.raises(SystemExit, match="file names must differ from each other and from "
+                                             "the tasks"):
+            cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--tasks",
+                      "code-gen", *args])
+    with pytest.raises(SystemExit, match=r"unknown task\(s\) \['nope'\]"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--tasks", "nope"])
+
+
+def test_engine_output_goes_to_the_log_and_the_bar_to_the_terminal(tmp_path, capfd):
+    import subprocess
+
+    log = tmp_path / "run.log"
+    with cli.engine_output_to(log) as terminal:
+        # vLLM's engine processes inherit file descriptors 1 and 2.
+        subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('engine says\\n'); "
+                        "print('engine logs')"], check=True)
+        terminal.write("progress\n")
+    print("after", file=sys.stderr)
+    print("result")
+    out, err = capfd.readouterr()
+    assert (out, err) == ("result\n", "progress\nafter\n")
+    assert sorted(log.read_text().splitlines()) == ["engine logs", "engine says"]

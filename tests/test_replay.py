@@ -7,7 +7,7 @@ import pytest
 
 from vllm_retrieval_spec.benchmarks.replay import (
     draft_factory, expand_grid, longest_accepted, oracle_factory, replay)
-from vllm_retrieval_spec.config import parse_speculative_config
+from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 
 
@@ -31,7 +31,8 @@ def test_replay_counts_forwards_as_the_engine_would():
     # Each step accepts 1 and adds a bonus token: 19 tokens in 10 steps (2 x 9 + 1).
     assert result["tokens_per_forward"] == round(20 / 11, 3)
     assert result["modeled_speedup"] == round((20 / 11) / (1 + 0.1 * result["mean_draft_len"]), 3)
-    never = replay([record], lambda r: lambda c, n: np.empty(0, np.int32), k=4)
+    never = replay([record], lambda r: lambda c, n: np.empty(0, np.int32), k=4,
+                   draft_token_cost=0.0)
     assert never["tokens_per_forward"] == 1.0 and never["mean_draft_len"] == 0
 
 
@@ -61,7 +62,8 @@ def test_oracle_is_a_ceiling_for_hybrid(tmp_path):
                                    tokenizer_fingerprint="0" * 64, vocab_size=100,
                                    progress=False)
     config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
-                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1})
+                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1},
+                                           VLLM_CPU_DEFAULTS)
     record = {"prompt": [1, 5], "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}
     oracle = replay([record], oracle_factory(config), k=3, draft_token_cost=0.0)
     hybrid = replay([record], draft_factory(config), k=3, draft_token_cost=0.0)
@@ -71,4 +73,5 @@ def test_oracle_is_a_ceiling_for_hybrid(tmp_path):
     assert oracle["tokens_per_forward"] == 2.0
     assert hybrid["tokens_per_forward"] < oracle["tokens_per_forward"]
     with pytest.raises(ValueError, match="hybrid"):
-        oracle_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3}))
+        oracle_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3},
+                                                VLLM_CPU_DEFAULTS))

@@ -27,3 +27,35 @@ def test_rows_are_compared_with_plain_of_the_same_task_even_when_a_method_repeat
     assert [(r["method"], r["speedup"], r["outputs_equal_plain"]) for r in rows] == [
         ("plain", 1.0, True), ("plain", 1.0, True),
         ("rest", 2.5, True), ("rest", 1.5, False), ("rest", 0.5, True)]
+
+
+def test_calibration_reads_cost_slope_and_the_costly_short_drafts():
+    from vllm_retrieval_spec.benchmarks.verify_cost import calibrated_options
+
+    def rows(times):
+        return [{"context_tokens": 50, "draft_len": d, "ms_per_step_median": t}
+                for d, t in times.items()]
+
+    # vLLM-CPU's shape: a lone draft token costs more than none and more than 2-8 tokens.
+    cpu = calibrated_options(rows({0: 70.0, 1: 86.0, 2: 60.0, 4: 64.0, 8: 72.0}))
+    assert cpu == {"draft_token_cost": round(2.0 / 70, 4), "min_draft_len": 2,
+                   "draft_budget_ms": 4.9}
+    # A GPU's shape: nearly flat, no anomaly.
+    gpu = calibrated_options(rows({0: 10.0, 1: 10.1, 2: 10.2, 4: 10.4, 8: 10.8}))
+    assert gpu == {"draft_token_cost": 0.01, "min_draft_len": 1, "draft_budget_ms": 0.7}
+
+
+def test_plot_is_written_for_every_task(tmp_path):
+    from vllm_retrieval_spec.benchmarks.throughput import write_plot
+
+    rows = [{"task": t, "method": m, "datastore": d, "speedup": s, "tokens_per_forward": f,
+             "outputs_equal_plain": e}
+            for t in ("code-gen", "chat")
+            for m, d, s, f, e in (("plain", None, 1.0, 1.0, True), ("ngram", None, 1.4, 1.6, True),
+                                  ("hybrid", "own", 1.9, 2.1, False))]
+    write_plot({"run": "r", "model": "m", "machine": "cpu", "vllm": "0.32.0", "rows": rows},
+               tmp_path / "r.png")
+    import matplotlib.image
+
+    image = matplotlib.image.imread(tmp_path / "r.png")
+    assert image.shape[0] > 300 and image.shape[1] > 800

