@@ -37,7 +37,9 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     libdivsufsort sorts bytes, so each token becomes a fixed-width big-endian string of its rank
     among the distinct values present (order-preserving, so byte order equals token order).
     Ranking first keeps the width at 2 bytes for most corpora even with vocabularies above
-    65,536. Memory: the encoded text (width x n bytes) plus divsufsort's byte-level suffix array
+    65,536. Every step but numpy's ranking runs without the GIL (compiled with ``nogil``, and
+    libdivsufsort through ctypes), so the served store's background rebuilds do not hold up
+    drafting. Memory: the encoded text (width x n bytes) plus divsufsort's byte-level suffix array
     (4 x width x n bytes), compacted in place to the token-level one.
     """
     from pydivsufsort import divsufsort
@@ -61,7 +63,7 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     return sa if sa.dtype == dtype else sa.astype(dtype)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _token_histogram(tokens: np.ndarray) -> tuple[int, np.ndarray]:
     """(smallest value, count of each value from the smallest to the largest)."""
     low = tokens[0]
@@ -75,7 +77,7 @@ def _token_histogram(tokens: np.ndarray) -> tuple[int, np.ndarray]:
     return low, counts
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _encode_big_endian(
     tokens: np.ndarray, ranks: np.ndarray, low: int, width: int, out: np.ndarray
 ) -> None:
@@ -85,7 +87,7 @@ def _encode_big_endian(
             out[i * width + b] = (r >> (8 * (width - 1 - b))) & 0xFF
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _keep_token_starts(byte_sa: np.ndarray, width: int) -> int:
     j = 0
     for i in range(byte_sa.shape[0]):
@@ -314,9 +316,24 @@ class SuffixArrayDatastore:
         Returns (cands int32 [m, continuation_len] padded with -1, lengths int32 [m], match
         length); m = 0 and match length 0 when fewer than ``min_len`` tokens match.
         """
-        # Only the last max_len tokens can take part in a match; converting them is cheap.
-        suffix = np.ascontiguousarray(context[-max_len:], dtype=np.int32)
-        cands, lengths, n = _lookup(
-            self._tokens, self._sa, suffix, min_len, max_len, max_occurrences, continuation_len
-        )
-        return cands, lengths, int(n)
+        return suffix_lookup(self._tokens, self._sa, context, min_len=min_len, max_len=max_len,
+                             max_occurrences=max_occurrences, continuation_len=continuation_len)
+
+
+def suffix_lookup(
+    tokens: np.ndarray,
+    sa: np.ndarray,
+    context: np.ndarray | Sequence[int],
+    *,
+    min_len: int,
+    max_len: int,
+    max_occurrences: int,
+    continuation_len: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """REST's retrieval on any token stream and its suffix array (a datastore's memory maps, or
+    the served store's in-memory snapshot): see ``SuffixArrayDatastore.lookup``."""
+    # Only the last max_len tokens can take part in a match; converting them is cheap.
+    suffix = np.ascontiguousarray(context[-max_len:], dtype=np.int32)
+    cands, lengths, n = _lookup(tokens, sa, suffix, min_len, max_len, max_occurrences,
+                                continuation_len)
+    return cands, lengths, int(n)

@@ -1,0 +1,185 @@
+"""The served store: what it keeps, what it finds, when it learns, and how it is saved."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from test_suffix_array import brute_force_match
+from vllm_retrieval_spec.datastore.format import (
+    MANIFEST_FILE, DatastoreError, load_datastore, tokenizer_fingerprint)
+from vllm_retrieval_spec.datastore.served import ServedRequests, ServedStore, SuffixIndex
+
+LOOKUP = {"min_len": 2, "max_len": 16, "max_occurrences": 64, "continuation_len": 4}
+
+
+def continuations(store: ServedStore, context, **options) -> tuple[int, list[list[int]]]:
+    cands, lengths, n = store.lookup(np.asarray(context, dtype=np.int32), **{**LOOKUP, **options})
+    return n, sorted(c[:length].tolist() for c, length in zip(cands, lengths))
+
+
+def test_finds_the_longest_match_across_requests_and_never_runs_over_one():
+    store = ServedStore(1000, background=False)
+    store.add("a", [5, 6, 7, 8, 9])
+    store.add("b", [1, 5, 6, 7, 3])
+    # "5 6 7" is the longest suffix of the context found; it continues differently in each
+    # request, and the continuation in "a" stops at its end, not in "b".
+    assert continuations(store, [4, 5, 6, 7]) == (3, [[3], [8, 9]])
+    assert continuations(store, [2, 3]) == (0, [])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lookup_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    store = ServedStore(10_000, background=False)
+    documents = [rng.integers(0, 4, int(rng.integers(1, 40))).astype(np.int32)
+                 for _ in range(int(rng.integers(1, 8)))]
+    for i, document in enumerate(documents):
+        store.add(str(i), document)
+    context = rng.integers(0, 4, 12).astype(np.int32)
+    stream = store.index.tokens.tolist()
+    n, starts = brute_force_match(store.index.tokens, context, 2, 16)
+
+    def continuation(start: int) -> list[int]:
+        following = stream[start:start + 4]
+        return following[:following.index(-1)] if -1 in following else following
+
+    expected = sorted(continuation(start + n) for start in starts)
+    assert continuations(store, context, max_occurrences=10_000) == (n, expected)
+
+
+def test_evicts_whole_requests_oldest_first():
+    store = ServedStore(10, background=False)
+    store.add("a", [1, 2, 3, 4])
+    store.add("b", [5, 6, 7, 8])
+    store.add("c", [9, 10, 11])  # 11 tokens: "a" goes, whole
+    assert [d.tolist() for d in store.documents()] == [[5, 6, 7, 8], [9, 10, 11]]
+    assert store.num_tokens == 7
+    assert continuations(store, [1, 2]) == (0, [])
+    assert continuations(store, [5, 6]) == (2, [[7, 8]])
+    # A request longer than the whole store keeps its end.
+    store.add("d", list(range(100, 120)))
+    assert [d.tolist() for d in store.documents()] == [list(range(110, 120))]
+
+
+def test_a_resumed_request_replaces_its_entry():
+    store = ServedStore(100, background=False)
+    store.add("a", [1, 2, 3])
+    store.add("a", [1, 2, 3, 4, 5])
+    assert store.num_tokens == 5 and store.num_documents == 1
+
+
+def test_adds_are_copies():
+    tokens = np.array([1, 2, 3, 4], dtype=np.int32)
+    store = ServedStore(100, background=False)
+    store.add("a", tokens)
+    tokens[:] = 0
+    assert continuations(store, [1, 2]) == (2, [[3, 4]])
+
+
+def test_background_indexing_swaps_in_a_complete_snapshot():
+    store = ServedStore(100_000)
+    try:
+        snapshots = []
+        stop = threading.Event()
+
+        def read():
+            while not stop.is_set():
+                index = store.index
+                snapshots.append((len(index.tokens), len(index.suffix_array)))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        for i in range(50):
+            store.add(str(i), np.arange(i, i + 200, dtype=np.int32))
+        assert store.wait_indexed()
+        stop.set()
+        reader.join()
+        # Every snapshot a reader saw had its suffix array; the last holds everything.
+        assert all(tokens == sa for tokens, sa in snapshots)
+        assert len(store.index.tokens) == 50 * 201
+        assert continuations(store, [48, 49]) == (2, sorted([[50, 51, 52, 53]] * 49))
+    finally:
+        store.close()
+
+
+def test_requests_enter_the_store_when_they_leave_the_batch():
+    store = ServedStore(1000, background=False)
+    tracker = ServedRequests(store, include_prompts=False)
+    token_ids = np.zeros((2, 16), dtype=np.int32)
+    # Step 1: both prefills sampled one token after prompts of 3 and 2 tokens.
+    token_ids[0, :4] = [1, 2, 3, 10]
+    token_ids[1, :3] = [4, 5, 20]
+    tracker.observe(["a", "b"], [[10], [20]], np.array([4, 3]), token_ids)
+    # Step 2: "a" accepted two draft tokens and sampled a bonus; "b" is in a partial step.
+    token_ids[0, 4:7] = [11, 12, 13]
+    tracker.observe(["a", "b"], [[11, 12, 13], []], np.array([7, 3]), token_ids)
+    tracker.finish_absent(["a", "b"])
+    assert store.num_documents == 0
+    # "a" finished; "b" now sits in row 0 (rows are reused).
+    token_ids[0, :4] = [4, 5, 20, 21]
+    tracker.finish_absent(["b"])
+    tracker.observe(["b"], [[21]], np.array([4]), token_ids)
+    assert [d.tolist() for d in store.documents()] == [[10, 11, 12, 13]]
+    tracker.finish_absent([])
+    assert [d.tolist() for d in store.documents()] == [[10, 11, 12, 13], [20, 21]]
+
+
+def test_prompts_are_stored_when_asked():
+    store = ServedStore(1000, background=False)
+    tracker = ServedRequests(store, include_prompts=True)
+    token_ids = np.array([[1, 2, 3, 10]], dtype=np.int32)
+    tracker.observe(["a"], [[10]], np.array([4]), token_ids)
+    tracker.finish_absent([])
+    assert [d.tolist() for d in store.documents()] == [[1, 2, 3, 10]]
+
+
+def test_saved_store_is_a_datastore_that_loads_back(tmp_path):
+    from test_datastore import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    store = ServedStore(1000, background=False)
+    store.add("a", [5, 6, 7, 8])
+    store.add("b", [6, 7, 9])
+    path = tmp_path / "served"
+    store.save(path, tokenizer_name="test", tokenizer_fingerprint=fingerprint, vocab_size=100)
+    datastore = load_datastore(path, expected_fingerprint=fingerprint)
+    assert datastore.manifest.num_documents == 2 and datastore.manifest.num_tokens == 9
+    restored = ServedStore(1000, background=False)
+    assert restored.load(path, expected_fingerprint=fingerprint) == 7
+    assert [d.tolist() for d in restored.documents()] == [[5, 6, 7, 8], [6, 7, 9]]
+    assert continuations(restored, [6, 7]) == (2, [[8], [9]])
+    with pytest.raises(DatastoreError, match="tokenizer"):
+        ServedStore(1000, background=False).load(path, expected_fingerprint="0" * 64)
+
+
+def test_a_failed_save_leaves_the_previous_one(tmp_path, monkeypatch):
+    from vllm_retrieval_spec.datastore import build
+
+    store = ServedStore(1000, background=False)
+    store.add("a", [5, 6, 7, 8])
+    path = tmp_path / "served"
+    facts = {"tokenizer_name": "t", "tokenizer_fingerprint": "f" * 64, "vocab_size": 100}
+    store.save(path, **facts)
+    before = json.loads((path / MANIFEST_FILE).read_text())
+    store.add("b", [1, 2, 3])
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(build, "build_suffix_array", crash)
+    with pytest.raises(OSError, match="disk full"):
+        store.save(path, **facts)
+    assert json.loads((path / MANIFEST_FILE).read_text()) == before
+    assert load_datastore(path).manifest.num_tokens == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]
+
+
+def test_empty_index_finds_nothing():
+    index = SuffixIndex.of_documents([])
+    assert len(index.tokens) == 0
+    assert continuations(ServedStore(10, background=False), [1, 2]) == (0, [])

@@ -1,0 +1,325 @@
+"""The served store: what this engine has already generated, as one more source of drafts.
+
+A server's own outputs are the most in-distribution text there is: the same model, the same kind
+of prompts, the same phrasing. vLLM's ``suffix`` method learns from them and beats every static
+datastore we built on prompts nobody tuned for; this store gives ``hybrid`` the same evidence.
+
+Finished requests' tokens are kept whole, oldest first, up to ``max_tokens`` (whole requests
+are evicted, oldest first). Lookups read an immutable snapshot, the documents joined by
+SEPARATOR and their suffix array, searched with the same compiled functions as REST's
+datastore. A background thread rebuilds the snapshot after requests were added and swaps it in
+with one reference assignment, so drafting never waits for an insert and never sees a
+half-built index; requests finishing while a rebuild runs are taken by the next one.
+
+Memory, for N stored tokens: 4N bytes of documents and 8N for the index (int32 tokens and
+suffix array), so 12 MB at 1 M tokens; a rebuild allocates about 15N more while it runs (the
+next index and divsufsort's working set). Measured at 1 M tokens on our CPU
+(benchmarks/results/served-store.md): a rebuild takes 0.16 s of one core, a lookup 8 us (p50).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_retrieval_spec.datastore.format import MANIFEST_FILE, SEPARATOR, load_datastore
+from vllm_retrieval_spec.datastore.suffix_array import build_suffix_array, suffix_lookup
+
+logger = logging.getLogger(__name__)
+
+#: What a served-store datastore directory lists as its source.
+SERVED_SOURCE = "served requests"
+
+
+@dataclass(frozen=True)
+class SuffixIndex:
+    """An in-memory token stream (documents joined by SEPARATOR) and its suffix array."""
+
+    tokens: np.ndarray
+    suffix_array: np.ndarray
+
+    @classmethod
+    def of_documents(cls, documents: Sequence[np.ndarray]) -> SuffixIndex:
+        if not documents:
+            return cls(np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32))
+        separator = np.full(1, SEPARATOR, dtype=np.int32)
+        tokens = np.concatenate([part for doc in documents for part in (doc, separator)])
+        return cls(tokens, build_suffix_array(tokens))
+
+
+class ServedStore:
+    """Finished requests' tokens, bounded, with REST's longest-suffix lookup.
+
+    ``background=False`` rebuilds the index inside ``add`` (tests, offline replay); the engine
+    uses a background thread.
+    """
+
+    def __init__(self, max_tokens: int, *, background: bool = True) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._documents: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._num_tokens = 0
+        self._lock = threading.Lock()
+        #: Bumped by every add; a snapshot built at version v holds everything added before it.
+        self._version = 0
+        self._indexed_version = 0
+        self.index = SuffixIndex.of_documents([])
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._rebuild_forever,
+                                            name="served-store-index", daemon=True)
+            self._thread.start()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens stored (separators not counted); the index may still lack the newest ones."""
+        return self._num_tokens
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._documents)
+
+    @property
+    def version(self) -> int:
+        """Changes with every add (savers compare it)."""
+        return self._version
+
+    def add(self, key: str, tokens: np.ndarray | Sequence[int]) -> None:
+        """Store a finished request's tokens under ``key``, replacing an earlier entry with that
+        key (a request vLLM preempted and resumed); evict the oldest requests while the store
+        holds more than ``max_tokens``. A request longer than the whole store keeps its end."""
+        document = np.array(np.asarray(tokens)[-self.max_tokens:], dtype=np.int32)
+        if not len(document):
+            return
+        with self._lock:
+            old = self._documents.pop(key, None)
+            if old is not None:
+                self._num_tokens -= len(old)
+            self._documents[key] = document
+            self._num_tokens += len(document)
+            while self._num_tokens > self.max_tokens:
+                _, evicted = self._documents.popitem(last=False)
+                self._num_tokens -= len(evicted)
+            self._version += 1
+            self._wake.notify()
+        if self._thread is None:
+            self.refresh()
+
+    def documents(self) -> list[np.ndarray]:
+        """The stored requests' tokens, oldest first."""
+        with self._lock:
+            return list(self._documents.values())
+
+    def refresh(self) -> None:
+        """Index everything added so far (the background thread calls this after adds)."""
+        with self._lock:
+            version = self._version
+            documents = list(self._documents.values())
+        index = SuffixIndex.of_documents(documents)
+        with self._lock:
+            # Two refreshes may race (a caller's and the thread's); the newer snapshot wins.
+            if version >= self._indexed_version:
+                self.index = index
+                self._indexed_version = version
+
+    def wait_indexed(self, timeout: float = 60.0) -> bool:
+        """Block until everything added so far is in the index (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._indexed_version < self._version:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._wake.wait(min(remaining, 0.05))
+        return True
+
+    def lookup(self, context: np.ndarray, *, min_len: int, max_len: int, max_occurrences: int,
+               continuation_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """``SuffixArrayDatastore.lookup`` on the current snapshot."""
+        index = self.index  # one read: a concurrent swap cannot mix two snapshots
+        return suffix_lookup(index.tokens, index.suffix_array, context, min_len=min_len,
+                             max_len=max_len, max_occurrences=max_occurrences,
+                             continuation_len=continuation_len)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _rebuild_forever(self) -> None:
+        while True:
+            with self._lock:
+                while self._version == self._indexed_version and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+            try:
+                self.refresh()
+            except Exception:
+                # Drafting goes on from the last good snapshot; the next add retries.
+                logger.exception("could not index the served store; drafts keep using the last "
+                                 "index")
+                with self._lock:
+                    self._indexed_version = self._version
+            with self._lock:
+                self._wake.notify_all()
+
+    # -------------------------------------------------------------------------- persistence
+
+    def save(self, path: str | Path, *, tokenizer_name: str, tokenizer_fingerprint: str,
+             vocab_size: int) -> None:
+        """Write the store as a datastore directory (tokens, suffix array, manifest), atomically:
+        ``path`` is either the previous save or this one, never a mix."""
+        from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
+
+        documents = self.documents()
+        if not documents:
+            return
+        build_datastore_from_token_ids(
+            documents, path, tokenizer_name=tokenizer_name,
+            tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size,
+            sources=[SERVED_SOURCE], overwrite=True, progress=False)
+
+    def load(self, path: str | Path, *, expected_fingerprint: str | None = None) -> int:
+        """Add the documents of a datastore directory written by ``save`` (oldest first, as
+        saved); returns the number of tokens loaded."""
+        datastore = load_datastore(path, expected_fingerprint=expected_fingerprint)
+        tokens = np.asarray(datastore.tokens)
+        ends = np.flatnonzero(tokens == SEPARATOR)
+        start = 0
+        with self._lock:
+            first = len(self._documents)
+        for i, end in enumerate(ends):
+            if end > start:
+                self.add(f"saved-{first + i}", tokens[start:end])
+            start = end + 1
+        return int(len(tokens) - len(ends))
+
+
+class ServedRequests:
+    """Each running request's tokens as last seen by the drafter, handed to a ``ServedStore``
+    when the request leaves the batch.
+
+    vLLM gives a ``custom_class`` drafter no "request finished" call: a request is finished
+    (or preempted; a resumed one replaces its entry) when it is no longer in the batch.
+    """
+
+    def __init__(self, store: ServedStore, include_prompts: bool) -> None:
+        self.store = store
+        self.include_prompts = include_prompts
+        #: Request id -> (prompt length, its tokens so far).
+        self.running: dict[str, tuple[int, np.ndarray]] = {}
+
+    def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
+                num_tokens: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record this step's tokens of every row that sampled (rows are ``req_ids``' order)."""
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled or i >= len(req_ids):
+                continue
+            n = int(num_tokens[i])
+            known = self.running.get(req_ids[i])
+            # The first step that samples is the prefill's: everything before its tokens is the
+            # prompt.
+            prompt_len = n - len(sampled) if known is None else known[0]
+            # A copy: the batch's rows are reused once the request leaves.
+            self.running[req_ids[i]] = (prompt_len, np.array(token_ids[i, :n], dtype=np.int32))
+
+    def finish_all(self) -> None:
+        """Hand every tracked request to the store (the engine is shutting down: the last
+        requests never leave a batch)."""
+        self.finish_absent(())
+
+    def finish_absent(self, req_ids: Sequence[str]) -> None:
+        """Hand every tracked request that is no longer in the batch to the store."""
+        for req_id in self.running.keys() - set(req_ids):
+            prompt_len, tokens = self.running.pop(req_id)
+            self.store.add(req_id, tokens if self.include_prompts else tokens[prompt_len:])
+
+
+class PeriodicSaver:
+    """Saves a served store to a datastore directory every ``interval_s`` seconds while it
+    changes, and once more when the process exits; loads that directory first if it exists.
+
+    Each save is a complete datastore written under a temporary name and renamed into place
+    (``atomic_path``), so a crash mid-save leaves the previous save, which loads.
+    """
+
+    def __init__(self, store: ServedStore, path: str | Path, model_config: Any,
+                 interval_s: float) -> None:
+        self.store = store
+        self.path = Path(path)
+        self.model_config = model_config
+        self.interval_s = interval_s
+        self._saved_version = -1
+        self._tokenizer: tuple[str, str, int] | None = None
+        if (self.path / MANIFEST_FILE).is_file():
+            # The front-end checked its tokenizer fingerprint against the model's.
+            loaded = store.load(self.path)
+            # Indexed before the first request is drafted (start-up, not a decoding step).
+            store.wait_indexed()
+            logger.info("served store: loaded %d tokens from %s", loaded, self.path)
+        self._saved_version = store.version
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._save_periodically, name="served-store-save",
+                                        daemon=True)
+        self._thread.start()
+
+    def save_if_changed(self) -> bool:
+        version = self.store.version
+        if version == self._saved_version:
+            return False
+        name, fingerprint, vocab_size = self._tokenizer_facts()
+        self.store.save(self.path, tokenizer_name=name, tokenizer_fingerprint=fingerprint,
+                        vocab_size=vocab_size)
+        self._saved_version = version
+        return True
+
+    def close(self) -> None:
+        """Stop saving periodically; save what changed since the last save."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self._save_logged()
+
+    def _save_periodically(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._save_logged()
+
+    def _save_logged(self) -> None:
+        try:
+            if self.save_if_changed():
+                logger.info("served store: saved %d tokens to %s", self.store.num_tokens,
+                            self.path)
+        except Exception:
+            # Serving goes on; the previous save stays in place.
+            logger.exception("could not save the served store to %s", self.path)
+
+    def _tokenizer_facts(self) -> tuple[str, str, int]:
+        """(name, fingerprint, vocab size) for the manifest, computed once, off the drafting
+        path (the saving thread)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from vllm_retrieval_spec.datastore.format import (
+                tokenizer_fingerprint, tokenizer_vocab_size)
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                self.model_config.tokenizer, revision=self.model_config.tokenizer_revision,
+                trust_remote_code=self.model_config.trust_remote_code)
+            self._tokenizer = (Path(str(self.model_config.tokenizer)).name,
+                               tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer))
+        return self._tokenizer
