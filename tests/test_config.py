@@ -64,3 +64,20 @@ def test_platform_supplies_the_defaults_the_user_leaves_out(method):
     mine = parse_speculative_config({**options, "min_draft_len": 2}, ACCELERATOR_DEFAULTS)
     assert mine.min_draft_len == 2 and mine.disable_by_batch_size == 0
     assert config_from_dict(mine.to_dict()) == mine
+
+
+def test_hybrid_needs_a_datastore_only_without_a_served_store():
+    hybrid = {"method": "hybrid", "num_speculative_tokens": 24}
+    config = parse_speculative_config(hybrid, VLLM_CPU_DEFAULTS)
+    assert (config.datastore, config.served_store, config.served_prompts) == ("", "shared", True)
+    with pytest.raises(ConfigError, match=r"'datastore'\] is required for method 'hybrid'"):
+        parse_speculative_config({**hybrid, "served_store": "off"}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"'served_store'\]='per_user' .*\['off', 'shared'\]"):
+        parse_speculative_config({**hybrid, "served_store": "per_user"}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"'served_datastore'\] needs served_store 'shared'"):
+        parse_speculative_config({**hybrid, "datastore": "d", "served_store": "off",
+                                  "served_datastore": "s"}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"'dense'\]='on' needs a 'datastore'"):
+        parse_speculative_config({**hybrid, "dense": "on"}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"'served_max_tokens'\]=0 is out of range"):
+        parse_speculative_config({**hybrid, "served_max_tokens": 0}, VLLM_CPU_DEFAULTS)

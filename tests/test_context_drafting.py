@@ -98,3 +98,49 @@ def test_long_context_match_skips_the_datastore(datastore):
     assert hybrid_draft(store, context, 3, config).tolist() == [9, 9, 4]
     config = hybrid(path, context_weight=0.01, skip_datastore_match_len=4)
     assert hybrid_draft(store, context, 3, config).tolist() == [7, 7, 7]
+
+
+def served_store(*documents):
+    from vllm_retrieval_spec.datastore.served import ServedStore
+
+    store = ServedStore(1000, background=False)
+    for i, document in enumerate(documents):
+        store.add(str(i), document)
+    return store
+
+
+def test_hybrid_drafts_from_the_served_store_without_any_datastore():
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3},
+                                      VLLM_CPU_DEFAULTS)
+    assert config.datastore == "" and config.served_store == "shared"
+    context = np.array([1, 2, 5, 6], dtype=np.int32)
+    assert hybrid_draft(None, context, 3, config).tolist() == []
+    # An earlier request continued "5 6" with "8 8 8"; the context knows nothing of it.
+    assert hybrid_draft(None, context, 3, config, served=served_store([5, 6, 8, 8, 8])
+                        ).tolist() == [8, 8, 8]
+
+
+def test_served_votes_against_the_context_by_their_weights(datastore):
+    path, _ = datastore
+    # The context continued "5 6" with "9 9" once (vote 2 x context_weight); two served requests
+    # continued it with "8 8 8" (they share 2 x served_weight).
+    context = np.array([5, 6, 9, 9, 1, 5, 6], dtype=np.int32)
+    served = served_store([5, 6, 8, 8, 8], [5, 6, 8, 8, 8])
+    heavy_context = hybrid(path, context_weight=2.0, served_weight=1.0)
+    assert hybrid_draft(None, context, 3, heavy_context, served=served).tolist() == [9, 9, 1]
+    heavy_served = hybrid(path, context_weight=1.0, served_weight=2.0)
+    assert hybrid_draft(None, context, 3, heavy_served, served=served).tolist() == [8, 8, 8]
+
+
+def test_drafts_are_no_longer_than_the_evidence_allows():
+    served = served_store(list(range(10, 40)))
+    # A 2-token match: at most 2 x max_spec_factor tokens (never below min_draft_len).
+    context = np.array([1, 10, 11], dtype=np.int32)
+    for factor, expected in ((1.0, 3), (2.0, 4), (4.0, 8), (0.0, 12)):
+        config = hybrid("", max_spec_factor=factor, num_speculative_tokens=12)
+        draft = hybrid_draft(None, context, 12, config, served=served)
+        assert draft.tolist() == list(range(12, 12 + expected)), factor
+    # A longer match allows a longer draft.
+    context = np.arange(10, 16, dtype=np.int32)
+    config = hybrid("", max_spec_factor=1.0, num_speculative_tokens=12)
+    assert len(hybrid_draft(None, context, 12, config, served=served)) == 6

@@ -151,3 +151,46 @@ def test_injected_faults_cost_only_drafts(datastore):
     assert drafts == [[[]]] * 8
     assert proposer.stats() == {"failed_exception": 2, "failed_too_long": 2,
                                 "failed_out_of_vocabulary": 2, "failed_over_budget": 2}
+
+
+def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
+    """With no datastore at all: request "a" generates 10..19; once it has left the batch a
+    new request that reaches "10 11" is drafted its continuation. With served_datastore the
+    store is saved when the proposer closes, and a new proposer starts from it."""
+    from test_datastore import make_tokenizer
+
+    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+                          "served_datastore": str(tmp_path / "served")})
+    config.model_config.tokenizer = str(tmp_path / "tokenizer")
+    config.model_config.tokenizer_revision = None
+    config.model_config.trust_remote_code = False
+    proposer = HybridProposer(config)
+    try:
+        output = list(range(10, 20))
+        tokens, lengths = batch([1, 2, *output])
+        proposer.observe_batch(["a"])
+        proposer.propose([[10]], np.array([3], dtype=np.int32), tokens)  # prefill of "a"
+        proposer.propose([output[1:]], lengths, tokens)  # the rest, as one step
+        tokens, lengths = batch([7, 8, 10, 11])
+        proposer.observe_batch(["b"])  # "a" left: it is served
+        assert proposer.served.wait_indexed()
+        assert proposer.stats()["served_store_tokens"] == 12  # prompt and output
+        assert proposer.propose([[11]], lengths, tokens) == [[12, 13, 14, 15]]
+    finally:
+        proposer.close()
+    # "b" never left a batch; closing stored it before saving.
+    from vllm_retrieval_spec.datastore.format import load_datastore
+
+    saved = load_datastore(tmp_path / "served")
+    assert saved.manifest.num_documents == 2 and saved.manifest.num_tokens == 12 + 4 + 2
+    restarted = HybridProposer(config)
+    try:
+        tokens, lengths = batch([5, 13, 14])
+        restarted.observe_batch(["c"])
+        assert restarted.propose([[14]], lengths, tokens) == [[15, 16, 17, 18]]
+    finally:
+        restarted.close()

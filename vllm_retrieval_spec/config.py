@@ -31,6 +31,9 @@ MAX_SPECULATIVE_TOKENS = 64
 DENSE_SEARCH_BACKENDS = ("auto", "exact", "scann")
 #: Whether hybrid drafting searches the dense index too.
 HYBRID_DENSE_MODES = ("auto", "on", "off")
+#: Who drafts from what the engine has served: nobody, or every request (see README's note on
+#: the timing side channel).
+SERVED_STORE_MODES = ("off", "shared")
 
 
 class ConfigError(ValueError):
@@ -184,12 +187,15 @@ class RestConfig(VotedDraftConfig):
     verify_checksums: bool = True
 
     def __post_init__(self) -> None:
-        if not self.datastore:
+        if not self.datastore and self.needs_datastore():
             raise ConfigError(
                 f"speculative_config['datastore'] is required for method {self.method!r}: the "
                 "directory written by `vllm-rsd build-datastore`"
             )
         super().__post_init__()
+
+    def needs_datastore(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,9 +280,49 @@ class HybridConfig(RestConfig, DenseSearchConfig):
     #: Total vote of the dense neighbours when all ``top_n`` pass the filter with similarity 1.
     #: High because it is divided by ``top_n`` and only neighbours that pass the filter vote.
     dense_weight: float = 32.0
+    #: Learn from what this engine serves (``datastore.served``): "shared" drafts every request
+    #: from every finished request's tokens, "off" never stores any.
+    served_store: str = "shared"
+    #: The served store keeps at most this many tokens (oldest requests evicted first); 12
+    #: bytes per token, and about 15 more while its index is rebuilt (``datastore.served``).
+    served_max_tokens: int = 1_000_000
+    #: Store finished requests' prompts too, not only what the model generated: other
+    #: requests' prompts share their templates and code (replay, prompts 20-39: code-edit 3.59
+    #: against 3.44 modelled speedup, code-gen 1.90 against 1.88, chat and summarize +-1%).
+    served_prompts: bool = True
+    #: Vote of the served store's occurrences per matched token, shared among them (as the
+    #: static suffix array's, whose vote is 1).
+    served_weight: float = 2.0
+    #: Directory the served store is saved to (a datastore, atomically, every
+    #: ``served_save_minutes`` and at shutdown) and loaded from at start-up; "" = memory only.
+    served_datastore: str = ""
+    served_save_minutes: float = 10.0
+    #: Drafts are at most this many times as long as the longest exact match behind them
+    #: (0 = no such cap): an n-token match predicts about n tokens. With this cap, drafts as
+    #: long as 24 tokens pay, and the acceptance-based cap only costs tokens, so it is off by
+    #: default (replay of prompts 20-39 at k = 24, all four tasks: factor 2 without the
+    #: acceptance cap beat 0.5, 1, 1.5 and 3, with or without it;
+    #: benchmarks/results/tuning/served-tuning.md).
+    max_spec_factor: float = 2.0
+    adaptive_draft_len: bool = False
+
+    def needs_datastore(self) -> bool:
+        # With a served store hybrid drafts from the first request on without any datastore.
+        return self.served_store == "off"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_choice(self, "served_store", SERVED_STORE_MODES)
+        _check_range(self, "served_max_tokens", 1, 1 << 31)
+        _check_range(self, "served_weight", 0.0, 1e6)
+        _check_range(self, "served_save_minutes", 0.01, 1e6)
+        _check_range(self, "max_spec_factor", 0.0, 64.0)
+        if self.served_datastore and self.served_store == "off":
+            raise ConfigError("speculative_config['served_datastore'] needs served_store "
+                              "'shared': with 'off' nothing is stored to save")
+        if self.dense == "on" and not self.datastore:
+            raise ConfigError("speculative_config['dense']='on' needs a 'datastore' with a "
+                              "dense index")
         _check_range(self, "context_min_match_len", 1, 64)
         _check_range(self, "context_max_match_len", self.context_min_match_len, 64)
         _check_range(self, "context_weight", 0.0, 1e6)

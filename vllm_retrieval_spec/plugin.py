@@ -38,6 +38,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from vllm_retrieval_spec.config import (
@@ -265,8 +266,12 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
             raise ConfigError(
                 f"speculative_config['layer']={config.layer} is out of range for this model: "
                 f"it has {depth} layers, so the layer must be in [0, {depth}]")
+    from vllm_retrieval_spec.datastore.format import MANIFEST_FILE
+
     datastore = getattr(config, "datastore", None)
-    if not datastore:
+    served = getattr(config, "served_datastore", "")
+    saved = bool(served) and (Path(served) / MANIFEST_FILE).is_file()
+    if not datastore and not saved:
         return
     from transformers import AutoTokenizer
 
@@ -279,6 +284,13 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
         revision=model_config.tokenizer_revision,
         trust_remote_code=model_config.trust_remote_code,
     )
+    if saved:
+        # A served store saved by another model would draft nonsense, or ids outside the
+        # vocabulary: refuse it here, as any datastore.
+        load_datastore(served, expected_fingerprint=tokenizer_fingerprint(tokenizer),
+                       verify_checksums=config.verify_checksums)
+    if not datastore:
+        return
     if isinstance(config, DresdConfig) or (
             isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense)):
         check_dense_index(

@@ -1,15 +1,18 @@
-"""Hybrid drafting: the request's own context (PLD), a REST suffix array and a DReSD dense index
-in one weighted trie.
+"""Hybrid drafting: the request's own context (PLD), what the engine has served (finished
+requests, ``datastore.served``), a REST suffix array and a DReSD dense index in one weighted
+trie. Only the context and the served store need nothing built beforehand.
 
 No source alone is the best drafter: the context knows the request's names and the text it is
 rewriting, the suffix array knows the corpus's exact phrasing, the dense index finds corpus
 positions where the model was in a similar state even when the last tokens differ. Candidates
 from every source are merged in one trie with comparable weights and the best-supported chain
-is drafted. A long context match is trusted alone: the datastore is then not searched at all.
+is drafted. A long context match is trusted alone: the datastore is then not searched at all
+(the served store always is: a lookup costs microseconds).
 """
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +20,7 @@ import numpy as np
 
 from vllm_retrieval_spec.config import HybridConfig
 from vllm_retrieval_spec.datastore.dense import DenseIndex, dense_index_in_use
+from vllm_retrieval_spec.datastore.served import PeriodicSaver, ServedRequests, ServedStore
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.tree import best_chain
 from vllm_retrieval_spec.proposers.dresd import (
@@ -38,15 +42,15 @@ def source_weights(num_candidates: int, match_len: int, weight_per_token: float,
     return np.full(num_candidates, vote, dtype=np.float64)
 
 
-def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: int,
+def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, max_len: int,
                  config: HybridConfig, dense: DenseIndex | None = None,
-                 query: np.ndarray | Callable[[], np.ndarray | None] | None = None
-                 ) -> np.ndarray:
+                 query: np.ndarray | Callable[[], np.ndarray | None] | None = None,
+                 served: ServedStore | None = None) -> np.ndarray:
     """The best chain of every source's candidates.
 
     ``query`` is the projected final hidden state that produced ``context[-1]``, or a function
     returning it (or None), called only when the dense index is searched: only when ``dense``
-    is given and the context match is short.
+    is given and the context match is short. ``served`` is what the engine has already served.
     """
     context_cands, context_lengths, context_n = find_context_matches(
         context, config.context_min_match_len, config.context_max_match_len,
@@ -55,7 +59,19 @@ def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: 
     lengths = [context_lengths]
     # Every context occurrence is evidence of its own: the request repeats itself.
     weights = [source_weights(len(context_cands), context_n, config.context_weight, False)]
-    if context_n < config.skip_datastore_match_len:
+    longest_match = context_n
+    searched_dense = False
+    if served is not None:
+        # Searched whatever the context match: a few microseconds, and the model's own earlier
+        # answers often continue further than the request's own text does.
+        served_cands, served_lengths, served_n = served.lookup(
+            context, min_len=config.min_match_len, max_len=config.max_match_len,
+            max_occurrences=config.max_occurrences, continuation_len=max_len)
+        candidates.append(served_cands)
+        lengths.append(served_lengths)
+        weights.append(source_weights(len(served_cands), served_n, config.served_weight, True))
+        longest_match = max(longest_match, served_n)
+    if datastore is not None and context_n < config.skip_datastore_match_len:
         store_cands, store_lengths, store_n = datastore.lookup(
             context, min_len=config.min_match_len,
             max_len=config.max_match_len, max_occurrences=config.max_occurrences,
@@ -64,6 +80,7 @@ def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: 
         lengths.append(store_lengths)
         # Occurrences in a large corpus are many and alike: together they weigh as one source.
         weights.append(source_weights(len(store_cands), store_n, 1.0, True))
+        longest_match = max(longest_match, store_n)
         if dense is not None and callable(query):
             query = query()
         if dense is not None and query is not None:
@@ -76,14 +93,21 @@ def hybrid_draft(datastore: SuffixArrayDatastore, context: np.ndarray, max_len: 
             # Dividing by top_n, not by the survivors: the share of neighbours that pass the
             # next-token filter is itself evidence that the state is a familiar one.
             weights.append(config.dense_weight * similarity / config.top_n)
+            searched_dense = True
+    if config.max_spec_factor and not searched_dense:
+        # A draft is no longer than the evidence behind it: an n-token match predicts about n
+        # tokens (SuffixDecoding's max_spec_factor). Dense neighbours have no match length.
+        max_len = min(max_len, max(config.min_draft_len,
+                                   int(config.max_spec_factor * longest_match)))
     return best_chain(np.concatenate(candidates), np.concatenate(lengths),
                       np.concatenate(weights), max_len, config.min_prefix_prob,
                       config.prior_weight, config.min_draft_len)
 
 
 class HybridProposer(RestProposer):
-    """REST's datastore handling, plus the dense index when there is one (its queries come from
-    ``record_last_hidden_states``, called by the plugin each step before ``propose``).
+    """REST's datastore handling (when there is a datastore), plus the dense index when it has
+    one (its queries come from ``record_last_hidden_states``, called by the plugin each step
+    before ``propose``), plus the served store, fed with every request that leaves the batch.
 
     The states are projected only when some row's context match is too short for the dense
     search to be skipped: on vLLM-CPU the projection took ~0.2 ms per step, a third of
@@ -92,9 +116,12 @@ class HybridProposer(RestProposer):
     config: HybridConfig
 
     def __init__(self, vllm_config: Any) -> None:
+        # RestProposer's warm-up draft reads it; the served store's own warm-up is below.
+        self.served: ServedStore | None = None
         super().__init__(vllm_config)
         self.dense = load_dense_index(self.config, vllm_config.model_config) \
-            if dense_index_in_use(self.config.datastore, self.config.dense) else None
+            if self.config.datastore and dense_index_in_use(self.config.datastore,
+                                                            self.config.dense) else None
         #: This step's (states, rows) until the first row that needs a query projects them.
         self.last_states: tuple[Any, list[int]] | None = None
         self.queries = np.empty((0, 0), dtype=np.float32)
@@ -109,6 +136,53 @@ class HybridProposer(RestProposer):
                                 torch.zeros(1, vllm_config.model_config.get_hidden_size()), [0])
             hybrid_draft(self.datastore, np.arange(4, dtype=np.int32), self.k, self.config,
                          self.dense, np.zeros(self.dense.manifest.dims, dtype=np.float32))
+        self.served_requests: ServedRequests | None = None
+        self.saver: PeriodicSaver | None = None
+        if self.config.served_store != "off":
+            self.served = ServedStore(self.config.served_max_tokens)
+            self.served_requests = ServedRequests(self.served, self.config.served_prompts)
+            if self.config.served_datastore:
+                self.saver = PeriodicSaver(self.served, self.config.served_datastore,
+                                           vllm_config.model_config,
+                                           60 * self.config.served_save_minutes)
+            # vLLM has no shutdown call for drafters; the worker process's exit is the last
+            # chance to store and save the requests that never left a batch.
+            atexit.register(self.close)
+            # Compile (or load from numba's cache) the served store's lookup now rather than in
+            # the first decoding step.
+            self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
+
+    def close(self) -> None:
+        """Store the requests still tracked, save the store (if it is persisted), stop its
+        threads. Idempotent."""
+        if self.served_requests is None:
+            return
+        self.served_requests.finish_all()
+        self.served_requests = None
+        if self.saver is not None:
+            self.saver.close()
+        self.served.close()
+
+    def observe_batch(self, req_ids: list[str]) -> None:
+        super().observe_batch(req_ids)
+        if self.served_requests is not None:
+            # Requests that left the batch are finished: what they generated is served.
+            self.served_requests.finish_absent(req_ids)
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
+        if self.served_requests is not None:
+            # Every step, drafting on or off: learning must not stop with large batches.
+            self.served_requests.observe(self.row_req_ids, sampled_token_ids,
+                                         num_tokens_no_spec, token_ids_cpu)
+        return super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                               slot_mappings)
+
+    def stats(self) -> dict[str, int]:
+        served = {} if self.served is None else {
+            "served_store_tokens": self.served.num_tokens,
+            "served_store_requests": self.served.num_documents}
+        return {**super().stats(), **served}
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         if self.dense is not None:
@@ -131,7 +205,7 @@ class HybridProposer(RestProposer):
 
     def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
         return hybrid_draft(self.datastore, context, max_len, self.config, self.dense,
-                            lambda: self.query(row))
+                            lambda: self.query(row), self.served)
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
-        return hybrid_draft(self.datastore, context, max_len, self.config)
+        return hybrid_draft(self.datastore, context, max_len, self.config, served=self.served)

@@ -33,9 +33,10 @@ class RestProposer(RetrievalProposer):
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
-        # The front-end already checked checksums and the tokenizer; here only sizes.
-        self.datastore = SuffixArrayDatastore.from_path(self.config.datastore,
-                                                        verify_checksums=False)
+        # The front-end already checked checksums and the tokenizer; here only sizes. (Only
+        # hybrid may have none: it can draft from what it serves alone.)
+        self.datastore = SuffixArrayDatastore.from_path(
+            self.config.datastore, verify_checksums=False) if self.config.datastore else None
         # Compile the numba functions now rather than inside the first decoding step.
         self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
 

