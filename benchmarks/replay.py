@@ -44,6 +44,8 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
     output_tokens = forwards = drafted = 0
     draft_ns: list[int] = []
     tracker = AcceptanceTracker(k, draft_token_cost, min_draft_len)
+    # A method that learns from served requests (``ServedReplay``) is told when each finishes.
+    finished = getattr(make_draft, "finished", None)
     for n, record in enumerate(records):
         prompt, output = record["prompt"], record["output"]
         sequence = np.asarray(prompt + output, dtype=np.int32)
@@ -66,6 +68,8 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
             forwards += 1
             position += accepted + 1
         output_tokens += len(output)
+        if finished is not None:
+            finished(record)
     steps = max(forwards - len(records), 1)
     tokens_per_forward = output_tokens / forwards
     mean_draft_len = drafted / steps
@@ -96,15 +100,18 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
         if not isinstance(config, HybridConfig):
             return lambda record: lambda context, n: rest_draft(datastore, context, n, config)
         dense = DenseQueries.if_in_use(config, model)
-        if dense is None:
-            return lambda record: lambda context, n: hybrid_draft(datastore, context, n, config)
+        served = ServedReplay(config) if config.served_store != "off" else None
+        store = served.store if served is not None else None
 
         def make_hybrid(record: dict[str, list[int]]) -> DraftFn:
+            if dense is None:
+                return lambda context, n: hybrid_draft(datastore, context, n, config,
+                                                       served=store)
             query_of = dense.for_record(record)
             return lambda context, n: hybrid_draft(datastore, context, n, config, dense.index,
-                                                   query_of(context))
+                                                   query_of(context), store)
 
-        return make_hybrid
+        return make_hybrid if served is None else served.wrap(make_hybrid)
     if isinstance(config, PldConfig):
         return lambda record: lambda context, n: pld_draft(context, n, config)
     if isinstance(config, PldPlusConfig):
@@ -113,6 +120,84 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
     if isinstance(config, DresdConfig):
         return _dresd_factory(config, DenseQueries(config, _require_model(model, config)))
     raise ValueError(f"no replay for method {config.method!r}")
+
+
+class ServedReplay:
+    """A draft factory whose method learns from served requests: the records are served in
+    order, and each one's tokens enter the store once it is finished, as in the engine."""
+
+    def __init__(self, config: Any) -> None:
+        from vllm_retrieval_spec.datastore.served import ServedStore
+
+        self.config = config
+        self.store = ServedStore(config.served_max_tokens, background=False)
+        self.make_draft: DraftFactory | None = None
+
+    def wrap(self, make_draft: DraftFactory) -> ServedReplay:
+        """``make_draft`` (which drafts from ``self.store``), told when records finish."""
+        self.make_draft = make_draft
+        return self
+
+    def __call__(self, record: dict[str, list[int]]) -> DraftFn:
+        return self.make_draft(record)
+
+    def finished(self, record: dict[str, list[int]]) -> None:
+        tokens = record["prompt"] + record["output"] if self.config.served_prompts \
+            else record["output"]
+        self.store.add(str(self.store.version), tokens)
+
+
+class SuffixDecodingReplay:
+    """vLLM's ``suffix`` method offline: arctic_inference's ``SuffixDecodingCache`` driven as
+    vLLM's ``SuffixDecodingProposer`` drives it (start a request with its prompt, add what each
+    step sampled, speculate on the last ``max_tree_depth`` tokens, stop it when it finishes),
+    at vLLM 0.32's defaults, so the peer can be replayed beside our methods."""
+
+    #: vLLM 0.32's SpeculativeConfig defaults for suffix decoding.
+    DEFAULTS = {"max_tree_depth": 24, "max_cached_requests": 10000, "max_spec_factor": 1.0,
+                "min_token_prob": 0.1}
+
+    def __init__(self, **options: Any) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.options = {**self.DEFAULTS, **options}
+        self.cache = SuffixDecodingCache(
+            max_tree_depth=self.options["max_tree_depth"],
+            max_cached_requests=self.options["max_cached_requests"])
+        self.requests = 0
+        self.seen = 0
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        # vLLM sets it to the tree depth for suffix.
+        return self.options["max_tree_depth"]
+
+    def __call__(self, record: dict[str, list[int]]) -> DraftFn:
+        req_id = str(self.requests)
+        self.requests += 1
+        prompt = np.asarray(record["prompt"], dtype=np.int32)
+        self.cache.start_request(req_id, prompt)
+        self.seen = len(prompt)
+
+        def draft(context: np.ndarray, n: int) -> np.ndarray:
+            self._add_sampled(req_id, context)
+            pattern = context[-self.options["max_tree_depth"]:]
+            result = self.cache.speculate(req_id, pattern, max_spec_tokens=n,
+                                          max_spec_factor=self.options["max_spec_factor"],
+                                          min_token_prob=self.options["min_token_prob"])
+            return np.asarray(result.token_ids, dtype=np.int32)
+
+        return draft
+
+    def finished(self, record: dict[str, list[int]]) -> None:
+        req_id = str(self.requests - 1)
+        self._add_sampled(req_id, np.asarray(record["prompt"] + record["output"], np.int32))
+        self.cache.stop_request(req_id)
+
+    def _add_sampled(self, req_id: str, context: np.ndarray) -> None:
+        if len(context) > self.seen:
+            self.cache.add_active_response(req_id, context[self.seen:].tolist())
+            self.seen = len(context)
 
 
 def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
@@ -128,6 +213,7 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
         raise ValueError("--oracle takes hybrid configs: their sources are the candidates")
     datastore = _datastore(config)
     dense = DenseQueries.if_in_use(config, model)
+    served = ServedReplay(config) if config.served_store != "off" else None
 
     def make_oracle(record: dict[str, list[int]]) -> DraftFn:
         truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
@@ -139,8 +225,11 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
                                    config.context_max_match_len + 1):
                 found.append(find_context_matches(context, match_len, match_len,
                                                   config.max_occurrences, n)[:2])
-            for match_len in range(config.min_match_len, config.max_match_len + 1):
-                found.append(datastore.lookup(context, min_len=match_len, max_len=match_len,
+            stores = [store for store in (datastore, served.store if served else None)
+                      if store is not None]
+            for store in stores:
+                for match_len in range(config.min_match_len, config.max_match_len + 1):
+                    found.append(store.lookup(context, min_len=match_len, max_len=match_len,
                                               max_occurrences=config.max_occurrences,
                                               continuation_len=n)[:2])
             if query_of is not None:
@@ -154,7 +243,7 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
 
         return draft
 
-    return make_oracle
+    return make_oracle if served is None else served.wrap(make_oracle)
 
 
 def longest_accepted(candidates: np.ndarray, lengths: np.ndarray,
@@ -171,6 +260,8 @@ def longest_accepted(candidates: np.ndarray, lengths: np.ndarray,
 def _datastore(config: Any) -> Any:
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 
+    if not config.datastore:
+        return None  # hybrid drafting from the context and the served store alone
     return SuffixArrayDatastore.from_path(config.datastore, verify_checksums=False)
 
 
@@ -301,18 +392,30 @@ def main(argv: list[str] | None = None) -> None:
     grid = json.loads(args.grid)
     platforms = {p.name: p for p in (VLLM_CPU_DEFAULTS, ACCELERATOR_DEFAULTS)}
     for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
+        if options.get("method") == "suffix":
+            # vLLM's own method, at its defaults (or the options given), beside ours.
+            peer_options = {key: value for key, value in options.items() if key != "method"}
+            cost = platforms[args.platform].draft_token_cost
+            for task in tasks:
+                peer = SuffixDecodingReplay(**peer_options)
+                result = replay([r for r in records if r.get("task", "code-gen") == task],
+                                peer, peer.num_speculative_tokens, draft_token_cost=cost)
+                print(json.dumps({"task": task, "config": options, **result}), flush=True)
+            continue
         config = parse_speculative_config({"num_speculative_tokens": args.k, **options},
                                           platforms[args.platform])
         if args.oracle:
             # A ceiling: no adaptive cap, no minimum length, drafts cost nothing extra.
-            make_draft = oracle_factory(config, args.model)
+            factory = oracle_factory
             rules = {"draft_token_cost": 0.0, "adaptive": False, "min_draft_len": 1}
         else:
-            make_draft = draft_factory(config, args.model)
+            factory = draft_factory
             rules = {"draft_token_cost": config.draft_token_cost,
                      "adaptive": config.adaptive_draft_len,
                      "min_draft_len": config.min_draft_len}
         for task in tasks:
+            # A fresh factory per task: a method that learns starts each task knowing none.
+            make_draft = factory(config, args.model)
             result = replay([r for r in records if r.get("task", "code-gen") == task],
                             make_draft, config.num_speculative_tokens, **rules)
             print(json.dumps({"task": task, "config": options, **result}), flush=True)

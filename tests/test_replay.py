@@ -75,3 +75,34 @@ def test_oracle_is_a_ceiling_for_hybrid(tmp_path):
     with pytest.raises(ValueError, match="hybrid"):
         oracle_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3},
                                                 VLLM_CPU_DEFAULTS))
+
+
+def test_replay_learns_from_served_records_in_order():
+    """The second of two identical requests is drafted from the first one's output, as the
+    engine's served store would; with the store off nothing is learnt."""
+    from vllm_retrieval_spec.benchmarks.replay import ServedReplay
+
+    record = {"prompt": [1, 2], "output": list(range(100, 130))}
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 8},
+                                      VLLM_CPU_DEFAULTS)
+    factory = draft_factory(config)
+    assert isinstance(factory, ServedReplay)
+    first = replay([record], factory, k=8, draft_token_cost=0.0)
+    assert first["tokens_per_forward"] == 1.0  # nothing repeats within the record
+    assert factory.store.num_tokens == 32  # prompt and output (served_prompts)
+    second = replay([record], factory, k=8, draft_token_cost=0.0)
+    assert second["tokens_per_forward"] > 3.0
+
+
+def test_suffix_peer_replays_vllms_suffix_decoding():
+    """vLLM's suffix method learns responses across requests too: a repeated request is drafted
+    from the first one's response, up to the tree depth."""
+    from vllm_retrieval_spec.benchmarks.replay import SuffixDecodingReplay
+
+    record = {"prompt": [1, 2], "output": list(range(100, 160))}
+    peer = SuffixDecodingReplay()
+    assert peer.num_speculative_tokens == 24
+    first = replay([record], peer, k=24, draft_token_cost=0.0)
+    second = replay([record], peer, k=24, draft_token_cost=0.0)
+    assert first["tokens_per_forward"] == 1.0
+    assert second["tokens_per_forward"] > 5.0
