@@ -18,6 +18,11 @@ Tasks (every one in a fixed, deterministic order; ``n``/``offset`` slice it as `
   ``python -m vllm_retrieval_spec.benchmarks.tasks mtbench-turn1`` (runs vLLM), whose prompts are
   ``first_turn_conversations()``.
 
+- ``chat-open``: the first turn of the same MT-Bench questions, ``[user turn 1]``: open-ended,
+  with no earlier answer to copy (the ShareGPT-like case, where drafts must come from somewhere
+  other than the prompt). Its greedy answers are the ``chat`` task's answer 1, so in a run with
+  both, run ``chat-open`` first, as a conversation would.
+
 ``summarize``, ``code-edit`` and ``chat`` are input-guided: good answers copy long spans of the prompt
 (the article, the function, the previous answer), which favours drafting from the context.
 """
@@ -31,7 +36,7 @@ from typing import Any
 
 from vllm_retrieval_spec.assets import humaneval_prompts
 
-TASKS = ("code-gen", "summarize", "code-edit", "chat")
+TASKS = ("code-gen", "summarize", "code-edit", "chat-open", "chat")
 #: Context length the benchmarks, tests and corpus generation serve with: the longest prompt of
 #: every task plus its answer fits (checked by tests/test_tasks.py).
 MAX_MODEL_LEN = 2048
@@ -235,6 +240,7 @@ _MESSAGES = {
     "code-gen": code_gen_messages,
     "summarize": summarize_messages,
     "code-edit": code_edit_messages,
+    "chat-open": first_turn_conversations,
     "chat": chat_messages,
 }
 

@@ -91,7 +91,9 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                              + ", ".join([*BUILTIN_METHODS, *sorted(METHODS)]))
         config = {"method": name, "num_speculative_tokens": k, **options}
         label = None
-        if "datastore" in {f.name for f in dataclasses.fields(METHODS[name])}:
+        # hybrid alone drafts from what it serves (and the context); hybrid:NAME adds NAME.
+        optional = name == "hybrid" and not store
+        if "datastore" in {f.name for f in dataclasses.fields(METHODS[name])} and not optional:
             if not store and len(datastores) == 1:
                 store = next(iter(datastores))
             if store not in datastores:
@@ -144,9 +146,13 @@ def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[
     for by_task in results:
         for task, (row, outputs) in by_task.items():
             plain_row, plain_outputs = results[0][task]
-            rows.append({**row,
-                         "speedup": round(row["tokens_per_s"] / plain_row["tokens_per_s"], 3),
-                         "outputs_equal_plain": outputs == plain_outputs})
+            row = {**row, "speedup": round(row["tokens_per_s"] / plain_row["tokens_per_s"], 3),
+                   "outputs_equal_plain": outputs == plain_outputs}
+            for half in HALVES:
+                if half in row:
+                    row[half] = {**row[half], "speedup": round(
+                        row[half]["tokens_per_s"] / plain_row[half]["tokens_per_s"], 3)}
+            rows.append(row)
     return rows
 
 
@@ -273,7 +279,8 @@ class MethodEngine:
     def start_task(self, task: str) -> None:
         self.task = task
         self.outputs: list[list[int]] = []
-        self.elapsed = 0.0
+        #: (prompts, output tokens, seconds, forwards) of each batch, in order.
+        self.batches: list[tuple[int, int, float, int]] = []
         self.accepted = self.drafts = 0
         self.forwards.count = 0
         if self.speculative:
@@ -281,10 +288,13 @@ class MethodEngine:
 
     def generate(self, batch: list[list[int]]) -> None:
         self.progress.set_postfix_str(f"{self.run.label} on {self.task}")
+        forwards = self.forwards.count
         start = time.perf_counter()
         result = self.llm.generate([{"prompt_token_ids": p} for p in batch], self.greedy,
                                    use_tqdm=False)
-        self.elapsed += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.batches.append((len(batch), sum(len(r.outputs[0].token_ids) for r in result),
+                             elapsed, self.forwards.count - forwards))
         for request in result:
             self.outputs.append(list(request.outputs[0].token_ids))
             metrics = request.outputs[0].spec_decode_metrics
@@ -298,8 +308,7 @@ class MethodEngine:
         drafting = (self.llm.collective_rpc("rsd_drafting_stats")[0] if self.speculative
                     else {"p50_ms": None, "p99_ms": None})
         row = _row(self.run, self.num_speculative_tokens, self.task, self.settings,
-                   self.outputs, self.elapsed, self.forwards.count, self.accepted, self.drafts,
-                   drafting)
+                   self.outputs, self.batches, self.accepted, self.drafts, drafting)
         return row, self.outputs
 
     def close(self) -> None:
@@ -310,10 +319,33 @@ class MethodEngine:
         gc.collect()
 
 
+#: Row fields for the first and the second half of a task's prompts: a method that learns from
+#: what it serves should be faster in the second.
+HALVES = ("first_half", "second_half")
+
+
+def halves(batches: list[tuple[int, int, float, int]]) -> dict[str, dict[str, float]]:
+    """Prompts, tokens/s and tokens per forward of the batches that start in the first half of
+    the prompts, and of the rest ((prompts, output tokens, seconds, forwards) per batch)."""
+    total = sum(b[0] for b in batches)
+    parts: dict[str, list[tuple[int, int, float, int]]] = {half: [] for half in HALVES}
+    start = 0
+    for batch in batches:
+        parts[HALVES[0] if start < total / 2 else HALVES[1]].append(batch)
+        start += batch[0]
+    return {half: {"prompts": sum(b[0] for b in part),
+                   "tokens_per_s": round(sum(b[1] for b in part) / sum(b[2] for b in part), 3),
+                   "tokens_per_forward": round(sum(b[1] for b in part)
+                                               / sum(b[3] for b in part), 3)}
+            for half, part in parts.items() if part}
+
+
 def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings: BenchSettings,
-         outputs: list[list[int]], elapsed: float, forwards: int, accepted: float,
+         outputs: list[list[int]], batches: list[tuple[int, int, float, int]], accepted: float,
          drafts: float, drafting: dict[str, Any]) -> dict[str, Any]:
     output_tokens = sum(map(len, outputs))
+    elapsed = sum(b[2] for b in batches)
+    forwards = sum(b[3] for b in batches)
     config = dict(run.speculative_config or {})
     config.pop("method", None)
     if num_speculative_tokens is not None:
@@ -335,7 +367,11 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
         "draft_ms_p50": _round(drafting["p50_ms"]),
         "draft_ms_p99": _round(drafting["p99_ms"]),
         "elapsed_s": round(elapsed, 2),
+        **halves(batches),
     }
+    if "served_store_tokens" in drafting:
+        # What the method has learnt from served requests by the end of the task.
+        row["served_store_tokens"] = drafting["served_store_tokens"]
     if drafting.get("search_ns"):
         # DReSD: share of the ANN search time that drafting did not wait for (thread pool).
         row["search_hidden"] = round(1 - drafting["search_wait_ns"] / drafting["search_ns"], 3)
@@ -357,6 +393,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(markdown_table([(c, c) for c in COLUMNS], ordered))
 
 
+def format_halves_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of speedup and tokens per forward in each half of the prompts: learning
+    from served requests shows as a second half faster than the first."""
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    ordered = [{**row, **{f"{half}_{name}": row.get(half, {}).get(name)
+                          for half in HALVES for name in ("speedup", "tokens_per_forward")}}
+               for row in sorted(rows, key=lambda row: tasks.index(row["task"]))
+               if row["method"] != "plain"]
+    columns = [("task", "task"), ("method", "method"), ("datastore", "datastore"),
+               ("speedup, 1st half", "first_half_speedup"),
+               ("speedup, 2nd half", "second_half_speedup"),
+               ("tokens/forward, 1st half", "first_half_tokens_per_forward"),
+               ("tokens/forward, 2nd half", "second_half_tokens_per_forward"),
+               ("served store tokens", "served_store_tokens")]
+    return "\n".join(markdown_table(columns, ordered))
+
+
 def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path, Path, Path]:
     """``<run>.json``, ``<run>.md``, the plot ``<run>.png`` and the plain outputs for replay,
     ``<run>.plain.jsonl``. Returns the paths of the first three."""
@@ -364,7 +417,9 @@ def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path
     plain_outputs = results.pop("plain_outputs")
     png_path = Path(output_dir) / f"{results['run']}.png"
     json_path, md_path = write_report(results, output_dir, [
-        f"![speedup and tokens per forward]({png_path.name})", "", format_table(results["rows"])])
+        f"![speedup and tokens per forward]({png_path.name})", "", format_table(results["rows"]),
+        "", "By half of the prompts (learning from served requests shows in the second):", "",
+        format_halves_table(results["rows"])])
     with open(Path(output_dir) / f"{results['run']}.plain.jsonl", "w") as f:
         for record in plain_outputs:
             f.write(json.dumps(record) + "\n")

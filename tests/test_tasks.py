@@ -56,7 +56,8 @@ def test_structure_count_and_slicing(task, request):
         task_conversations(task, -1)
 
 
-@pytest.mark.parametrize("task, expected", [("code-gen", 164), ("summarize", 300), ("chat", 80)])
+@pytest.mark.parametrize("task, expected", [("code-gen", 164), ("summarize", 300),
+                                            ("chat-open", 80), ("chat", 80)])
 def test_fixed_sizes(task, expected, request):
     if task == "chat":
         request.getfixturevalue("fake_turn1")

@@ -59,3 +59,35 @@ def test_plot_is_written_for_every_task(tmp_path):
 
     image = matplotlib.image.imread(tmp_path / "r.png")
     assert image.shape[0] > 300 and image.shape[1] > 800
+
+
+def test_halves_split_the_prompts_and_compare_each_with_plain_of_the_same_half():
+    from vllm_retrieval_spec.benchmarks.throughput import format_halves_table, halves
+
+    # (prompts, output tokens, seconds, forwards) per batch: 5 prompts, batches of 2, 2, 1.
+    plain = halves([(2, 40, 4.0, 40), (2, 40, 4.0, 40), (1, 20, 2.0, 20)])
+    learner = halves([(2, 40, 4.0, 40), (2, 40, 2.0, 10), (1, 20, 0.5, 5)])
+    # The batch starting at prompt 2 (of 5) is in the first half, since 2 < 2.5.
+    assert plain == {"first_half": {"prompts": 4, "tokens_per_s": 10.0,
+                                    "tokens_per_forward": 1.0},
+                     "second_half": {"prompts": 1, "tokens_per_s": 10.0,
+                                     "tokens_per_forward": 1.0}}
+    assert learner["second_half"] == {"prompts": 1, "tokens_per_s": 40.0,
+                                      "tokens_per_forward": 4.0}
+
+    def row(method, by_half):
+        return {"task": "chat", "method": method, "tokens_per_s": 10.0, **by_half}
+
+    rows = compared_with_plain([{"chat": (row("plain", plain), [[1]])},
+                                {"chat": (row("hybrid", learner), [[1]])}])
+    assert rows[1]["first_half"]["speedup"] == 1.333 and rows[1]["second_half"]["speedup"] == 4.0
+    table = format_halves_table(rows)
+    assert "| chat | hybrid |  | 1.333 | 4.0 |" in table and "| plain |" not in table
+
+
+def test_hybrid_without_a_datastore_name_runs_on_the_served_store_alone():
+    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+
+    runs = method_runs(["rest", "hybrid", "hybrid:stdlib"], 8, {"stdlib": "/ds"})
+    assert [(r.label, (r.speculative_config or {}).get("datastore")) for r in runs] == [
+        ("plain", None), ("rest:stdlib", "/ds"), ("hybrid", None), ("hybrid:stdlib", "/ds")]

@@ -272,8 +272,9 @@ def _integers(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-#: The demo's comparison: plain decoding, vLLM's two drafters, REST and hybrid.
-DEMO_METHODS = "plain,ngram,suffix,rest,hybrid"
+#: The demo's comparison: plain decoding, vLLM's two drafters, REST and hybrid on the stdlib
+#: datastore (hybrid also learns from what it serves).
+DEMO_METHODS = "plain,ngram,suffix,rest:stdlib,hybrid:stdlib"
 
 
 def demo_command(args: argparse.Namespace) -> None:
@@ -368,15 +369,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--methods", default="plain,ngram,suffix,rest",
                    help="comma-separated: plain, ngram, suffix, pld, pld_plus, rest[:NAME], "
-                        "hybrid[:NAME], dresd[:NAME]")
+                        "hybrid[:NAME] (without NAME: the served store and the context only), "
+                        "dresd[:NAME]")
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",
                    help='extra options per method as JSON, e.g. {"rest": {"max_occurrences": 32}}')
     p.add_argument("-k", type=int, default=8, help="num_speculative_tokens (not for suffix, "
                                                    "which runs at vLLM's defaults)")
-    p.add_argument("--tasks", help="comma-separated: code-gen, summarize, code-edit, chat "
-                                   "(default: code-gen, or none with --prompts-file)")
+    p.add_argument("--tasks", help="comma-separated: code-gen, summarize, code-edit, "
+                                   "chat-open, chat (default: code-gen, or none with "
+                                   "--prompts-file)")
     p.add_argument("--prompts-file", action="append",
                    help='your own prompts, repeatable: a jsonl file of {"prompt": "..."} or '
                         '{"messages": [...]} lines, benchmarked as a task named after the file')
