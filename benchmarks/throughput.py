@@ -68,7 +68,9 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
     runs = [MethodRun("plain")]
     for spec in specs:
         name, _, store = spec.partition(":")
-        options = dict((method_options or {}).get(name, {}))
+        # Options for the method, then for this row alone (keyed as spelled, e.g. "hybrid:a").
+        options = {**(method_options or {}).get(name, {}),
+                   **((method_options or {}).get(spec, {}) if store else {})}
         if name == "plain":
             continue
         if name == "ngram":

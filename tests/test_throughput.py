@@ -91,3 +91,14 @@ def test_hybrid_without_a_datastore_name_runs_on_the_served_store_alone():
     runs = method_runs(["rest", "hybrid", "hybrid:stdlib"], 8, {"stdlib": "/ds"})
     assert [(r.label, (r.speculative_config or {}).get("datastore")) for r in runs] == [
         ("plain", None), ("rest:stdlib", "/ds"), ("hybrid", None), ("hybrid:stdlib", "/ds")]
+
+
+def test_method_options_for_one_row_override_the_methods():
+    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+
+    runs = method_runs(["hybrid:a", "hybrid:b"], 8, {"a": "/a", "b": "/b"},
+                       {"hybrid": {"num_speculative_tokens": 24, "served_weight": 1.0},
+                        "hybrid:b": {"served_store": "off", "num_speculative_tokens": 8}})
+    assert [(r.speculative_config["num_speculative_tokens"],
+             r.speculative_config.get("served_store"), r.speculative_config["served_weight"])
+            for r in runs[1:]] == [(24, None, 1.0), (8, "off", 1.0)]

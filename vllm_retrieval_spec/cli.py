@@ -374,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",
-                   help='extra options per method as JSON, e.g. {"rest": {"max_occurrences": 32}}')
+                   help='extra options per method as JSON, e.g. {"rest": '
+                        '{"max_occurrences": 32}}; a key METHOD:NAME applies to that row alone, '
+                        "over the method's")
     p.add_argument("-k", type=int, default=8, help="num_speculative_tokens (not for suffix, "
                                                    "which runs at vLLM's defaults)")
     p.add_argument("--tasks", help="comma-separated: code-gen, summarize, code-edit, "
