@@ -139,7 +139,12 @@ class HybridProposer(RestProposer):
         self.served_requests: ServedRequests | None = None
         self.saver: PeriodicSaver | None = None
         if self.config.served_store != "off":
-            self.served = ServedStore(self.config.served_max_tokens)
+            # Every tensor-parallel rank drafts, and all must draft alike: a background rebuild
+            # would publish the new index at a different step on each rank. With several ranks
+            # the index is rebuilt inside the step in which a request finishes instead.
+            parallel = getattr(vllm_config, "parallel_config", None)
+            self.served = ServedStore(self.config.served_max_tokens,
+                                      background=getattr(parallel, "world_size", 1) == 1)
             self.served_requests = ServedRequests(self.served, self.config.served_prompts)
             if self.config.served_datastore:
                 self.saver = PeriodicSaver(self.served, self.config.served_datastore,
