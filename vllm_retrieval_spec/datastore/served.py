@@ -15,7 +15,8 @@ thread pauses between rebuilds so that it takes at most a fifth of a core.
 Memory, for N stored tokens: 4N bytes of documents and 8N for the index (int32 tokens and
 suffix array), so 12 MB at 1 M tokens; a rebuild allocates about 15N more while it runs (the
 next index and divsufsort's working set). Measured at 1 M tokens on our CPU
-(benchmarks/results/served-store.md): a rebuild takes 0.16 s of one core, a lookup 8 us (p50).
+(benchmarks/results/served-store.md): a rebuild takes 0.11 s of one core, a lookup 7.5 us
+(p50).
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class ServedStore:
             with self._lock:
                 self._wake.notify_all()
             # Under a stream of finishing requests, rebuild at most a fifth of the time: a
-            # large store's rebuild takes a core for a fraction of a second (0.16 s at 1 M
+            # large store's rebuild takes a core for a fraction of a second (0.11 s at 1 M
             # tokens), and the engine needs its cores more than the newest requests.
             self._stop.wait(REBUILD_PAUSE * (time.monotonic() - start))
 
