@@ -183,3 +183,24 @@ def test_empty_index_finds_nothing():
     index = SuffixIndex.of_documents([])
     assert len(index.tokens) == 0
     assert continuations(ServedStore(10, background=False), [1, 2]) == (0, [])
+
+
+def test_long_requests_are_recorded_whole_as_they_grow():
+    """Each step copies only its new tokens; the stored request is every token, in order."""
+    store = ServedStore(100_000, background=False)
+    tracker = ServedRequests(store, include_prompts=True)
+    sequence = np.arange(1, 1001, dtype=np.int32)
+    token_ids = np.zeros((1, 1024), dtype=np.int32)
+    n = 10  # a 9-token prompt, then steps of 1 to 7 tokens
+    token_ids[0, :n] = sequence[:n]
+    tracker.observe(["a"], [[int(sequence[n - 1])]], np.array([n]), token_ids)
+    rng = np.random.default_rng(0)
+    while n < 1000:
+        step = min(int(rng.integers(1, 8)), 1000 - n)
+        token_ids[0, n:n + step] = sequence[n:n + step]
+        # Stale draft tokens past the valid length are never read.
+        token_ids[0, n + step:n + step + 3] = -7
+        n += step
+        tracker.observe(["a"], [sequence[n - step:n].tolist()], np.array([n]), token_ids)
+    tracker.finish_all()
+    assert [d.tolist() for d in store.documents()] == [sequence.tolist()]

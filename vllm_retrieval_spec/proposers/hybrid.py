@@ -13,6 +13,7 @@ is drafted. A long context match is trusted alone: the datastore is then not sea
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 from collections.abc import Callable
 from typing import Any
 
@@ -151,8 +152,11 @@ class HybridProposer(RestProposer):
                                            vllm_config.model_config,
                                            60 * self.config.served_save_minutes)
             # vLLM has no shutdown call for drafters; the worker process's exit is the last
-            # chance to store and save the requests that never left a batch.
+            # chance to store and save the requests that never left a batch. A worker started
+            # by multiprocessing may leave through os._exit, which skips atexit but still runs
+            # multiprocessing's finalizers; close() runs once, whichever comes first.
             atexit.register(self.close)
+            multiprocessing.util.Finalize(self, self.close, exitpriority=10)
             # Compile (or load from numba's cache) the served store's lookup now rather than in
             # the first decoding step.
             self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
