@@ -399,8 +399,11 @@ def test_last_state_rows():
 
     # Row blocks: 4, 1, 3, 5 rows; accepted counts 2, 1, 0 (partial prefill), 5.
     sampled = [[1, 2], [3], [], [4, 5, 6, 7, 8]]
-    assert _last_state_rows(sampled, Metadata()) == [1, 4, -1, 12]
-    assert _last_state_rows([[1], [2]], None) == [0, 1]
+    assert _last_state_rows(sampled, Metadata(), {}) == [1, 4, -1, 12]
+    assert _last_state_rows([[1], [2]], None, {}) == [0, 1]
+    # Row 0 drafted a tree: its 2 sampled tokens are node 2 (accepted) and the bonus, so the
+    # bonus came from node 2's state, row 0 + 1 + 2; row 3's tree accepted nothing: its root.
+    assert _last_state_rows(sampled, Metadata(), {0: 2, 3: -1}) == [3, 4, -1, 8]
 
 
 @pytest.mark.parametrize("options, message", [

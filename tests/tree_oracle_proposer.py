@@ -1,0 +1,60 @@
+"""A test drafter that knows plain decoding's outputs and drafts trees whose first branch is
+always wrong: the right continuation is reached only through later siblings, at node indices
+that differ from their depth, so every step exercises the tree walk, the depth positions, the
+ancestor-only attention and the KV moves (each of them, disabled, breaks equality with plain
+decoding). Loaded by vLLM as a ``custom_class`` proposer; ``TREE_ORACLE_SEQUENCES`` names a
+JSON list of the expected token sequences (prompt + plain output)."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+SEQUENCES_ENV = "TREE_ORACLE_SEQUENCES"
+
+#: Nodes as (parent, which): ``("t", d)`` is the true continuation's d-th token, ``("w", d)`` a
+#: wrong one in its place. The accepted path is nodes 1, 3, 4, 6.
+TREE = [(-1, ("w", 0)), (-1, ("t", 0)), (1, ("w", 1)), (1, ("t", 1)), (3, ("t", 2)),
+        (0, ("w", 1)), (4, ("t", 3))]
+
+
+class TreeOracleProposer:
+    def __init__(self, vllm_config: Any) -> None:
+        self.config = SimpleNamespace(tree="on")
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        with open(os.environ[SEQUENCES_ENV]) as f:
+            self.sequences = [np.asarray(s) for s in json.load(f)]
+        self.req_ids: list[str] = []
+        self.tree_rows: list[bool] | None = None
+        self.tree_parents: dict[str, np.ndarray] = {}
+
+    def load_model(self, model: Any) -> None:
+        pass
+
+    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
+        self.req_ids = req_ids
+        self.tree_rows = tree_rows
+
+    def continuation(self, context: np.ndarray) -> np.ndarray:
+        for sequence in self.sequences:
+            if len(sequence) > len(context) and np.array_equal(sequence[:len(context)], context):
+                return sequence[len(context):len(context) + 4]
+        return sequence[:0]
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
+        self.tree_parents = {}
+        drafts = []
+        for i, sampled in enumerate(sampled_token_ids):
+            truth = self.continuation(token_ids_cpu[i, :num_tokens_no_spec[i]]) \
+                if sampled else []
+            if len(truth) < 4 or not (self.tree_rows and self.tree_rows[i]):
+                drafts.append([int(t) for t in truth])
+                continue
+            drafts.append([int(truth[d]) if kind == "t" else int(truth[d] + 1) % self.vocab_size
+                           for _, (kind, d) in TREE])
+            self.tree_parents[self.req_ids[i]] = np.array([p for p, _ in TREE], dtype=np.int32)
+        return drafts

