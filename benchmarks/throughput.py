@@ -34,14 +34,18 @@ class MethodRun:
     method: str
     speculative_config: dict[str, Any] | None = None
     datastore: str | None = None
+    #: Drafts are token trees (``METHOD/tree``) rather than chains.
+    tree: bool = False
 
     @property
     def label(self) -> str:
-        return method_label(self.method, self.datastore)
+        return method_label(self.method, self.datastore) + ("/tree" if self.tree else "")
 
 
 #: vLLM's own drafters, compared with ours at the settings below.
 BUILTIN_METHODS = ("ngram", "suffix")
+#: Ours that can draft token trees.
+TREE_METHODS = ("rest", "pld", "hybrid", "dresd")
 
 
 @dataclass
@@ -63,11 +67,17 @@ class BenchSettings:
 def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                 method_options: dict[str, dict[str, Any]] | None = None) -> list[MethodRun]:
     """Rows for ``specs`` such as ``ngram``, ``pld`` or ``rest:stdlib`` (a method on the named
-    datastore; the name may be left out when there is one datastore). Plain always comes first:
-    the others are compared with it."""
+    datastore; the name may be left out when there is one datastore), ``/tree`` after one of
+    ours for its tree drafts. Plain always comes first: the others are compared with it."""
     runs = [MethodRun("plain")]
-    for spec in specs:
+    for spelled in specs:
+        spec, _, variant = spelled.partition("/")
+        if variant not in ("", "tree"):
+            raise ValueError(f"{spelled!r}: the only variant is '/tree' (token-tree drafts)")
         name, _, store = spec.partition(":")
+        if variant and name not in TREE_METHODS:
+            raise ValueError(f"{spelled!r}: tree drafts are for "
+                             + ", ".join(TREE_METHODS))
         # Options for the method, then for this row alone (keyed as spelled, e.g. "hybrid:a").
         options = {**(method_options or {}).get(name, {}),
                    **((method_options or {}).get(spec, {}) if store else {})}
@@ -91,7 +101,8 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; choose from plain, "
                              + ", ".join([*BUILTIN_METHODS, *sorted(METHODS)]))
-        config = {"method": name, "num_speculative_tokens": k, **options}
+        config = {"method": name, "num_speculative_tokens": k, **options,
+                  **({"tree": "on"} if variant else {})}
         label = None
         # hybrid alone drafts from what it serves (and the context); hybrid:NAME adds NAME.
         optional = name == "hybrid" and not store
@@ -103,7 +114,7 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                                  f"as {name}:NAME (--datastore NAME=DIR)")
             config["datastore"] = datastores[store]
             label = store
-        runs.append(MethodRun(name, config, datastore=label))
+        runs.append(MethodRun(name, config, datastore=label, tree=bool(variant)))
     return runs
 
 
@@ -355,7 +366,7 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
     config["dtype"] = settings.dtype
     row = {
         "task": task,
-        "method": run.method,
+        "method": run.method + ("/tree" if run.tree else ""),
         "config": config,
         "datastore": run.datastore,
         "prompts": len(outputs),
@@ -369,6 +380,8 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
         "draft_ms_p50": _round(drafting["p50_ms"]),
         "draft_ms_p99": _round(drafting["p99_ms"]),
         "elapsed_s": round(elapsed, 2),
+        # Draft nodes verified per request per step where trees are on; null for chains.
+        "tree_nodes_mean": _round(drafting.get("tree_nodes_mean")),
         **halves(batches),
     }
     if "served_store_tokens" in drafting:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from vllm_retrieval_spec.benchmarks.throughput import compared_with_plain, turns
 
 
@@ -102,3 +104,16 @@ def test_method_options_for_one_row_override_the_methods():
     assert [(r.speculative_config["num_speculative_tokens"],
              r.speculative_config.get("served_store"), r.speculative_config["served_weight"])
             for r in runs[1:]] == [(24, None, 1.0), (8, "off", 1.0)]
+
+
+def test_tree_rows_sit_beside_the_same_methods_chain():
+    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+
+    runs = method_runs(["hybrid", "hybrid/tree", "rest:stdlib/tree"], 8, {"stdlib": "/ds"})
+    assert [r.label for r in runs] == ["plain", "hybrid", "hybrid/tree", "rest:stdlib/tree"]
+    assert [r.speculative_config.get("tree") for r in runs[1:]] == [None, "on", "on"]
+    assert runs[3].speculative_config["datastore"] == "/ds"
+    with pytest.raises(ValueError, match="tree drafts are for rest, pld, hybrid, dresd"):
+        method_runs(["ngram/tree"], 8, {})
+    with pytest.raises(ValueError, match="the only variant is '/tree'"):
+        method_runs(["hybrid/forest"], 8, {})

@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="plain,ngram,suffix,rest",
                    help="comma-separated: plain, ngram, suffix, pld, pld_plus, rest[:NAME], "
                         "hybrid[:NAME] (without NAME: the served store and the context only), "
-                        "dresd[:NAME]")
+                        "dresd[:NAME]; /tree after rest, pld, hybrid or dresd: the same with "
+                        "token-tree drafts (e.g. hybrid/tree)")
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",
