@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.tree_verification import is_chain
+
 DraftFn = Callable[[np.ndarray, int], np.ndarray]
 #: Makes the drafting function for one recorded request (PLD+ needs that request's states).
 DraftFactory = Callable[[dict[str, list[int]]], DraftFn]
@@ -35,11 +37,14 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
     """Walk every recorded output as the engine would with ``draft``; summarise.
 
     ``modeled_speedup`` = tokens per forward / (1 + ``draft_token_cost`` x mean draft length):
-    a forward verifying more tokens takes longer, so long weak drafts lose time. ``adaptive``
+    a forward verifying more tokens takes longer, so long weak drafts lose time. A tree draft
+    (``TreeDraft``) counts all its nodes and accepts its longest root path that the output
+    follows, as ``tree_verification`` does in vLLM. ``adaptive``
     caps each draft by the record's acceptance so far, as the proposers do in vLLM; drafts
     shorter than ``min_draft_len`` are dropped, as there.
     """
     from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
 
     output_tokens = forwards = drafted = 0
     draft_ns: list[int] = []
@@ -56,15 +61,15 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
             start = time.perf_counter_ns()
             max_len = tracker.cap(str(n)) if adaptive else k
             proposal = draft(sequence[: len(prompt) + position], max_len)
-            if too_short(len(proposal), max_len, min_draft_len):
-                proposal = proposal[:0]
+            if isinstance(proposal, TreeDraft) and is_chain(proposal.parents):
+                proposal = proposal.tokens
+            size = len(proposal.tokens if isinstance(proposal, TreeDraft) else proposal)
+            if too_short(size, max_len, min_draft_len):
+                proposal, size = proposal[:0], 0
             draft_ns.append(time.perf_counter_ns() - start)
-            truth = output[position:position + len(proposal)]
-            accepted = 0
-            while accepted < len(truth) and proposal[accepted] == truth[accepted]:
-                accepted += 1
-            tracker.update(str(n), len(proposal), accepted)
-            drafted += len(proposal)
+            accepted = accepted_length(proposal, output[position:position + size])
+            tracker.update(str(n), size, accepted)
+            drafted += size
             forwards += 1
             position += accepted + 1
         output_tokens += len(output)
@@ -80,6 +85,24 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
         "draft_us_p50": round(float(np.percentile(draft_ns, 50)) / 1e3, 1) if draft_ns else 0.0,
         "draft_us_p99": round(float(np.percentile(draft_ns, 99)) / 1e3, 1) if draft_ns else 0.0,
     }
+
+
+def accepted_length(proposal: Any, truth: list[int]) -> int:
+    """Draft tokens greedy verification accepts when the target produces ``truth``: a chain's
+    common prefix with it, a tree's longest root path along it."""
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
+    from vllm_retrieval_spec.tree_verification import greedy_tree_walk, tree_depths
+
+    if isinstance(proposal, TreeDraft):
+        # The target's token after a node on the followed path is the truth at its depth.
+        after = np.asarray([*truth, -1])
+        depths = np.minimum(tree_depths(proposal.parents), len(truth))
+        target = np.concatenate([after[:1], after[depths]])
+        return len(greedy_tree_walk(proposal.parents, proposal.tokens, target)[0])
+    accepted = 0
+    while accepted < len(truth) and proposal[accepted] == truth[accepted]:
+        accepted += 1
+    return accepted
 
 
 def load_records(path: str) -> list[dict[str, list[int]]]:

@@ -32,6 +32,8 @@ def test_parses_and_round_trips():
         ({"max_occurrences": 0}, r"'max_occurrences'\]=0 is out of range"),
         ({"min_match_len": 5, "max_match_len": 4}, r"'max_match_len'\]=4 is out of range .*\[5, 64\]"),
         ({"min_prefix_prob": 1.5}, r"'min_prefix_prob'\]=1.5 is out of range"),
+        ({"tree": "yes"}, r"'tree'\]='yes' is not one of \['off', 'on'\]"),
+        ({"tree_min_prob": -0.1}, r"'tree_min_prob'\]=-0.1 is out of range"),
         ({"min_prefix_prob": float("nan")}, r"must be finite"),
         ({"datastore": ""}, r"'datastore'\] is required for method 'rest'"),
         ({"typo_option": 1}, r"unknown option\(s\) \['typo_option'\] for method 'rest'; allowed: \["),

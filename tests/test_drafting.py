@@ -90,3 +90,81 @@ def test_best_chain_matches_oracle(seed):
     for min_prob, prior in [(0.0, 0.0), (0.2, 1.0), (0.5, 0.0)]:
         got = best_chain(cands, lengths, weights, 5, min_prob, prior).tolist()
         assert got == _oracle_chain(rows, weights, 5, min_prob, prior)
+
+
+def _tree(rows, weights, max_nodes, min_prefix_prob, branch_min_prob, prior=0.0, min_len=1):
+    from vllm_retrieval_spec.drafting.tree import best_tree
+
+    cands, lengths = _pack(rows)
+    tokens, parents, _ = best_tree(cands, lengths, np.asarray(weights, dtype=np.float64),
+                                   max_nodes, min_prefix_prob, prior, min_len, branch_min_prob,
+                                   max_nodes)
+    return tokens.tolist(), parents.tolist()
+
+
+def test_best_tree_starts_with_the_best_chain_then_adds_branches_best_first():
+    rows = [[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7, 7], [8, 8, 8, 8]]
+    # The chain at 0.5 is 1 2 3 (each >= 2/4); then 3->4, 3->9, 2->7 and 8, all at 1/4: ties
+    # go to the node inserted first (the earlier candidate's), so 8 is left out.
+    tokens, parents = _tree(rows, np.ones(4), 6, 0.5, 0.25)
+    assert tokens == [1, 2, 3, 4, 9, 7] and parents == [-1, 0, 1, 2, 2, 1]
+    # Every parent precedes its children, so any prefix of the nodes is a tree.
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+
+
+def test_best_tree_stops_at_the_cost_threshold_and_the_node_budget():
+    rows = [[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7, 7], [8, 8, 8, 8]]
+    # Branches of 1/4 fall below 0.3: the tree is the chain.
+    assert _tree(rows, np.ones(4), 8, 0.5, 0.3) == ([1, 2, 3], [-1, 0, 1])
+    assert _tree(rows, np.ones(4), 4, 0.5, 0.0)[0][:3] == [1, 2, 3]
+    assert len(_tree(rows, np.ones(4), 4, 0.5, 0.0)[0]) == 4
+    # Weighted: the 8-branch (4/7) is the chain, the 1-branch (3/7) comes next.
+    assert _tree(rows, [1, 1, 1, 4], 5, 0.5, 0.0) == ([8, 8, 8, 8, 1], [-1, 0, 1, 2, -1])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_tree_holds_the_chain_and_no_node_twice(seed):
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
+
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 3, size=rng.integers(1, 7)).tolist() for _ in range(12)]
+    weights = rng.random(12)
+    cands, lengths = _pack(rows)
+    chain = best_chain(cands, lengths, weights, 10, 0.3, 1.0, 2).tolist()
+    from vllm_retrieval_spec.drafting.tree import best_tree
+
+    tree = TreeDraft(*best_tree(cands, lengths, weights, 10, 0.3, 1.0, 2, 0.05, 10))
+    assert tree.chain().tolist() == chain
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    # No two nodes share a parent and a token: each root path is one trie path.
+    assert len(set(zip(parents, tokens))) == len(tokens)
+    assert len(tokens) <= 10
+
+
+def test_select_draft_obeys_the_tree_option():
+    from vllm_retrieval_spec.config import RestConfig
+    from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
+
+    cands, lengths = _pack([[1, 2, 3], [1, 5, 6], [1, 2, 3]])
+    base = dict(num_speculative_tokens=8, datastore="x", draft_budget_ms=1.0,
+                draft_token_cost=0.05, disable_by_batch_size=0, min_draft_len=1,
+                prior_weight=0.0, min_prefix_prob=0.5, tree_min_prob=0.3)
+    chain = select_draft(cands, lengths, np.ones(3), 8, RestConfig(**base))
+    assert chain.tolist() == [1, 2, 3]
+    tree = select_draft(cands, lengths, np.ones(3), 8, RestConfig(**base, tree="on"))
+    assert isinstance(tree, TreeDraft)
+    assert tree.tokens.tolist() == [1, 2, 3, 5, 6] and tree.parents.tolist() == [-1, 0, 1, 0, 3]
+    assert tree.chain().tolist() == [1, 2, 3]
+
+
+def test_best_tree_keeps_every_path_within_max_depth():
+    from vllm_retrieval_spec.drafting.tree import best_tree
+    from vllm_retrieval_spec.tree_verification import tree_depths
+
+    rows = [[1, 2, 3, 4], [1, 2, 3, 9], [1, 5, 7, 7], [8, 8, 8, 8]]
+    cands, lengths = _pack(rows)
+    tokens, parents, chain_len = best_tree(cands, lengths, np.ones(4), 12, 0.5, 0.0, 1, 0.0, 2)
+    assert tokens[:chain_len].tolist() == [1, 2]
+    assert tree_depths(parents).max() == 2
+    # Every trie node of depth <= 2 is there: 1, 2, 5, 8 and 8 8.
+    assert sorted(tokens.tolist()) == [1, 2, 5, 8, 8]

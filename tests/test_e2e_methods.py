@@ -13,13 +13,16 @@ from conftest import (E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, openai_
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module", params=["rest", "pld", "pld_plus", "hybrid", "dresd"])
+@pytest.fixture(scope="module", params=["rest", "pld", "pld_plus", "hybrid", "dresd",
+                                        "rest/tree", "pld/tree", "hybrid/tree", "dresd/tree"])
 def spec_llm(request, model_dir, plain_outputs):
-    """One engine per method, alive while that method's tests run (pytest groups them)."""
-    spec = {"method": request.param, "num_speculative_tokens": K}
-    if request.param == "rest":
+    """One engine per method (``/tree``: drafting token trees), alive while that method's tests
+    run (pytest groups them)."""
+    method, _, variant = request.param.partition("/")
+    spec = {"method": method, "num_speculative_tokens": K, **({"tree": "on"} if variant else {})}
+    if method == "rest":
         spec["datastore"] = request.getfixturevalue("code_datastore")
-    if request.param in ("dresd", "hybrid"):  # hybrid with all three sources
+    if method in ("dresd", "hybrid"):  # hybrid with all three sources
         spec["datastore"] = request.getfixturevalue("dense_datastore")
     llm = make_llm(model_dir, spec)
     yield llm
@@ -36,14 +39,19 @@ def spec_counters(llm) -> dict[str, float]:
     return values
 
 
-def test_greedy_equals_plain_one_request_at_a_time(spec_llm, code_prompts, plain_outputs):
+def test_greedy_equals_plain_one_request_at_a_time(request, spec_llm, code_prompts,
+                                                   plain_outputs):
     before = spec_counters(spec_llm)
+    trees_before = spec_llm.collective_rpc("rsd_drafting_stats")[0].get("tree_steps", 0)
     outputs = [generate_ids(spec_llm, [p], greedy())[0] for p in code_prompts]
     after = spec_counters(spec_llm)
     assert outputs == plain_outputs
-    # The comparison means something only if REST drafted and vLLM accepted some of it.
+    # The comparison means something only if the method drafted and vLLM accepted some of it,
+    # and, for trees, only if some drafts were trees (not all chains).
     assert after["drafts"] > before["drafts"]
     assert after["accepted"] > before["accepted"]
+    trees = spec_llm.collective_rpc("rsd_drafting_stats")[0].get("tree_steps", 0) - trees_before
+    assert (trees > 0) == request.node.callspec.params["spec_llm"].endswith("/tree")
 
 
 def test_greedy_equals_plain_with_four_concurrent_requests(spec_llm, code_prompts,
@@ -141,10 +149,11 @@ def test_pld_plus_states_equal_a_transformers_forward(spec_llm, model_dir, code_
     assert abs(states - expected).max() < 1e-3
 
 
-@pytest.mark.parametrize("method", ["rest", "pld_plus", "dresd"])
+@pytest.mark.parametrize("method", ["rest", "pld_plus", "dresd", "hybrid/tree"])
 def test_openai_server(request, method, model_dir, code_prompts, plain_outputs, tokenizer,
                        tmp_path):
-    spec = {"method": method, "num_speculative_tokens": K}
+    method, _, variant = method.partition("/")
+    spec = {"method": method, "num_speculative_tokens": K, **({"tree": "on"} if variant else {})}
     if method == "rest":
         spec["datastore"] = request.getfixturevalue("code_datastore")
     speculative_args = ["--speculative-config", json.dumps(spec)]

@@ -106,6 +106,42 @@ def test_a_failing_draft_costs_one_request_one_step(datastore, caplog):
     assert f"returned token ids outside [0, {VOCAB})" in errors[2]
 
 
+def test_rest_drafts_trees_for_the_rows_vllm_verifies_as_trees(datastore):
+    # "1 2 3" is followed by "4 5 6 7" (then the end, or 0) twice and by "9" once.
+    proposer = rest(datastore, num_speculative_tokens=6, min_prefix_prob=0.5, tree="on",
+                    tree_min_prob=0.3)
+    tokens, lengths = batch([1, 2, 3], [5, 1, 2, 3], [8, 1])
+    proposer.observe_batch(["a", "b", "c"], [True, False, True])
+    drafts = proposer.propose([[3], [3], [1]], lengths, tokens)
+    # Row a: the chain 4 5 6 7 (2/3 each), then the branches of 1/3: 9 after 3, 0 after 7.
+    assert drafts[0][:4] == [4, 5, 6, 7]
+    parents = proposer.tree_parents["a"].tolist()
+    assert parents[:4] == [-1, 0, 1, 2]
+    assert sorted(zip(drafts[0][4:], parents[4:])) == [(0, 3), (9, -1)]
+    # Row b (a sampled request) gets the chain; row c's continuations agree: a chain, which
+    # vLLM verifies as one.
+    assert drafts[1:] == [[4, 5, 6, 7], [2, 3, 4, 5, 6, 7]]
+    assert list(proposer.tree_parents) == ["a"]
+    proposer.observe_batch(["a"], None)
+    tokens, lengths = batch([1, 2, 3])
+    assert proposer.propose([[3]], lengths, tokens) == [[4, 5, 6, 7]]
+    assert proposer.tree_parents == {}
+
+
+def test_a_tree_with_parents_out_of_order_costs_its_draft(datastore, caplog):
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
+
+    config = vllm_config({"method": "rest", "num_speculative_tokens": 4, "datastore": datastore})
+    proposer = ScriptedProposer(config, [])
+    proposer.draft = lambda context, max_len: TreeDraft(np.array([1, 2, 3]), np.array([-1, 2, 0]),
+                                                        1)
+    proposer.observe_batch(["a"], [True])
+    tokens, lengths = batch([1, 2])
+    assert proposer.propose([[2]], lengths, tokens) == [[]]
+    assert proposer.stats() == {"failed_bad_tree": 1}
+    assert "not in topological order" in caplog.text
+
+
 class SlowProposer(RetrievalProposer):
     def draft(self, context, max_len):
         time.sleep(0.02 if context[-1] == 9 else 0)

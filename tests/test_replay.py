@@ -36,6 +36,37 @@ def test_replay_counts_forwards_as_the_engine_would():
     assert never["tokens_per_forward"] == 1.0 and never["mean_draft_len"] == 0
 
 
+def test_a_tree_accepts_its_longest_root_path_along_the_output():
+    from vllm_retrieval_spec.benchmarks.replay import accepted_length
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
+
+    # root -> 5 -> 6 -> 7, and root -> 8 -> 9: the first branch is wrong after 5.
+    tree = TreeDraft(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 1, -1, 3]), 3)
+    assert accepted_length(tree, [8, 9, 1, 1, 1]) == 2
+    assert accepted_length(tree, [5, 6, 2, 1, 1]) == 2
+    assert accepted_length(tree, [5, 6, 7, 1, 1]) == 3
+    assert accepted_length(tree, [1, 1, 1, 1, 1]) == 0
+    assert accepted_length(tree, [8]) == 1  # the output ends
+    assert accepted_length(np.array([5, 6, 0]), [5, 6, 7]) == 2
+
+    output = [8, 9, 30, 31, 32, 33]
+    record = {"prompt": [1], "output": output}
+    # A drafter always offering that tree after the prompt's first output token, a chain
+    # of the truth's next 2 tokens otherwise.
+    sequence = record["prompt"] + output
+
+    def draft(context, n):
+        if len(context) == 2:
+            return TreeDraft(np.array([5, 6, 9, 7]), np.array([-1, 0, -1, 2]), 2)
+        return np.asarray(sequence[len(context):len(context) + 2], dtype=np.int32)
+
+    # output[0] by the prefill; then the tree accepts 9 (node 2), its child 7 does not match
+    # 30: bonus 30; then chains of 2 accept 31 32 + 33 (the bonus).
+    result = replay([record], lambda r: draft, k=4, draft_token_cost=0.0)
+    assert result["tokens_per_forward"] == round(6 / 3, 3)
+    assert result["mean_draft_len"] == round((4 + 2) / 2, 2)
+
+
 def test_expand_grid():
     configs = expand_grid({"method": "hybrid", "x": 0}, {"x": [1, 2], "y": ["a", "b"]})
     assert configs == [{"method": "hybrid", "x": 1, "y": "a"}, {"method": "hybrid", "x": 1, "y": "b"},

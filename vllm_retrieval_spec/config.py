@@ -138,6 +138,13 @@ class MethodConfig:
         return {"method": self.method, **dataclasses.asdict(self)}
 
 
+#: A tree branch is drafted while its estimated acceptance is at least this many times the cost
+#: of verifying a token. Replay of prompts 20-39 (hybrid, k = 24, four tasks, at the CPU's
+#: 0.055): thresholds 0.25 / 0.3 / 0.4 gave 1.028 / 1.031 / 1.030 the chain's modelled speedup
+#: (geometric mean), 0.05-0.2 less than 1 (benchmarks/results/tuning/tree-tuning.md).
+TREE_COST_FACTOR = 5.5
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrieDraftConfig(MethodConfig):
     """Methods that vote retrieved continuations in a trie and draft its best chain."""
@@ -150,11 +157,26 @@ class TrieDraftConfig(MethodConfig):
     min_prefix_prob: float = 0.3
     #: Pseudo-count of "no candidate is right" in that estimate.
     prior_weight: float = 2.0
+    #: "on": draft a token tree of at most ``num_speculative_tokens`` nodes, the best chain
+    #: and then the trie's other nodes best-first (``drafting.tree.best_tree``), verified
+    #: together (``tree_verification``); "off": the best chain alone.
+    tree: str = "off"
+    #: A node beside the chain joins the tree while its estimated probability of being
+    #: accepted stays at or above this. Unset: ``TREE_COST_FACTOR`` x ``draft_token_cost``, what
+    #: verifying one more token costs on this platform, scaled by how much the trie's estimates
+    #: overstate a branch's chances.
+    tree_min_prob: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_range(self, "min_prefix_prob", 0.0, 1.0)
         _check_range(self, "prior_weight", 0.0, 1e6)
+        _check_choice(self, "tree", ("off", "on"))
+        if self.tree_min_prob is None:
+            # Frozen: the derived value is set once, here, and travels in to_dict().
+            object.__setattr__(self, "tree_min_prob",
+                               round(TREE_COST_FACTOR * self.draft_token_cost, 4))
+        _check_range(self, "tree_min_prob", 0.0, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,6 +327,11 @@ class HybridConfig(RestConfig, DenseSearchConfig):
     #: benchmarks/results/tuning/served-tuning.md).
     max_spec_factor: float = 2.0
     adaptive_draft_len: bool = False
+    #: With ``tree: "on"``: total vote of the continuations of the last token's every earlier
+    #: occurrence (context and served store), shared among them; they become the tree's
+    #: branches beside the longest match's (0 = none). Replay (tree-tuning.md): 4 beat 1, 8
+    #: and 16 at the default threshold.
+    tree_branch_weight: float = 4.0
 
     def needs_datastore(self) -> bool:
         # With a served store hybrid drafts from the first request on without any datastore.
@@ -317,6 +344,7 @@ class HybridConfig(RestConfig, DenseSearchConfig):
         _check_range(self, "served_weight", 0.0, 1e6)
         _check_range(self, "served_save_minutes", 0.01, 1e6)
         _check_range(self, "max_spec_factor", 0.0, 64.0)
+        _check_range(self, "tree_branch_weight", 0.0, 1e6)
         if self.served_datastore and self.served_store == "off":
             raise ConfigError("speculative_config['served_datastore'] needs served_store "
                               "'shared': with 'off' nothing is stored to save")

@@ -441,14 +441,12 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         start = time.perf_counter_ns()
         observe_batch = getattr(self.__dict__.get("drafter"), "observe_batch", None)
         verifier = _tree_verifier(self)
-        if observe_batch is not None and verifier is not None:
+        if observe_batch is not None:
             from vllm_retrieval_spec.tree_verification import tree_eligible
 
             req_ids = list(self.input_batch.req_ids)
-            observe_batch(req_ids, [tree_eligible(self.requests[r].sampling_params)
-                                    for r in req_ids])
-        elif observe_batch is not None:
-            observe_batch(list(self.input_batch.req_ids))
+            observe_batch(req_ids, None if verifier is None else [
+                tree_eligible(self.requests[r].sampling_params) for r in req_ids])
         if aux_hidden_states is not None and _drafter_aux_layers(self):
             self.drafter.record_hidden_states(
                 list(self.input_batch.req_ids), aux_hidden_states,

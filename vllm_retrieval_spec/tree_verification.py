@@ -191,15 +191,17 @@ class TreeVerifier:
         #: Batch row -> index of the last accepted node (-1: none) of the last step's trees:
         #: the row of the hidden state that produced the bonus token.
         self.last_nodes: dict[int, int] = {}
-        #: Draft nodes verified and decoding steps of requests, since start or ``stats(reset)``.
-        self.nodes = self.decode_steps = 0
+        #: Draft nodes verified, decoding steps of requests and, of those, steps that verified a
+        #: tree, since start or ``stats(reset)``.
+        self.nodes = self.decode_steps = self.tree_steps = 0
 
     def stats(self, reset: bool = False) -> dict[str, float]:
         """``tree_nodes_mean``: draft nodes (tree or chain) verified per request per step."""
-        mean = self.nodes / self.decode_steps if self.decode_steps else 0.0
+        stats = {"tree_nodes_mean": self.nodes / self.decode_steps if self.decode_steps else 0.0,
+                 "tree_steps": self.tree_steps}
         if reset:
-            self.nodes = self.decode_steps = 0
-        return {"tree_nodes_mean": mean}
+            self.nodes = self.decode_steps = self.tree_steps = 0
+        return stats
 
     def begin_step(self, drafter_trees: dict[str, np.ndarray], req_ids: list[str],
                    scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
@@ -223,6 +225,7 @@ class TreeVerifier:
             query_start += int(num_scheduled[i])
         if not rows:
             return
+        self.tree_steps += len(rows)
         import torch
 
         for tree in rows:

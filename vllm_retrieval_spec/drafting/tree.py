@@ -1,19 +1,21 @@
-"""Continuation candidates -> weighted trie -> the best-supported draft chain.
+"""Continuation candidates -> weighted trie -> the best-supported draft chain, or tree.
 
 REST and DReSD both retrieve many continuations and keep the prefixes that most of them share.
 The trie is materialised in flat arrays (node -> parent, token, weight, first child, next
-sibling) so it can be built and walked in compiled code every decoding step, and so a later
-tree-verification path can take the top nodes instead of one chain.
+sibling) so it can be built and walked in compiled code every decoding step.
 
-vLLM 0.32 verifies one chain per request, so the draft is the greedy walk from the root that
-always follows the heaviest child. Its length adapts to the evidence: a token is drafted only
-while the estimated probability that the whole prefix is right,
-``weight(node) / (weight(root) + prior_weight)``, stays at or above ``min_prefix_prob``. The prior
-weight is a pseudo-count for "none of the candidates is right": with one retrieved continuation
-and ``prior_weight=1`` the estimate is 0.5, not 1.
+The chain is the greedy walk from the root that always follows the heaviest child. Its length
+adapts to the evidence: a token is drafted only while the estimated probability that the whole
+prefix is right, ``weight(node) / (weight(root) + prior_weight)``, stays at or above
+``min_prefix_prob``. The prior weight is a pseudo-count for "none of the candidates is right":
+with one retrieved continuation and ``prior_weight=1`` the estimate is 0.5, not 1. A tree
+(``best_tree``, verified by ``tree_verification``) is that chain plus the trie's next best
+nodes, while each is likely enough to be accepted to pay for its verification.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -90,11 +92,20 @@ def best_chain(
     if candidates.shape[0] == 0 or max_len <= 0:
         return np.empty(0, dtype=np.int32)
     _, token, weight, first_child, next_sibling, _ = build_trie(candidates, lengths, weights)
-    denominator = weight[0] + prior_weight
+    nodes = _chain_nodes(weight, first_child, next_sibling, max_len,
+                         weight[0] + prior_weight, min_prefix_prob, min_len)
+    return token[nodes]
+
+
+@numba.njit(cache=True)
+def _chain_nodes(weight: np.ndarray, first_child: np.ndarray, next_sibling: np.ndarray,
+                 max_len: int, denominator: float, min_prefix_prob: float,
+                 min_len: int) -> np.ndarray:
+    """Trie nodes of ``best_chain``'s walk, root excluded."""
+    chain = np.empty(max(max_len, 0), dtype=np.int64)
     if denominator <= 0:
         # Nothing has a vote (e.g. a source weighted 0 and no prior): no evidence, no draft.
-        return np.empty(0, dtype=np.int32)
-    chain = np.empty(max_len, dtype=np.int32)
+        return chain[:0]
     n = 0
     node = 0
     while n < max_len:
@@ -109,7 +120,116 @@ def best_chain(
         if best == NO_NODE or (weight[best] / denominator < min_prefix_prob
                                and (n == 0 or n >= min_len)):
             break
-        chain[n] = token[best]
+        chain[n] = best
         n += 1
         node = best
     return chain[:n]
+
+
+@numba.njit(cache=True)
+def best_tree(
+    candidates: np.ndarray,
+    lengths: np.ndarray,
+    weights: np.ndarray,
+    max_nodes: int,
+    min_prefix_prob: float,
+    prior_weight: float,
+    min_len: int,
+    branch_min_prob: float,
+    max_depth: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``best_chain``'s chain, then the trie's other nodes best-first while their estimated
+    probability of being accepted, ``weight(node) / (weight(root) + prior_weight)``, stays at or
+    above ``branch_min_prob``, up to ``max_nodes`` in all and ``max_depth`` deep.
+
+    A node is worth verifying when that probability (the tokens it adds, on average) exceeds
+    what verifying one more token costs; ``branch_min_prob`` is that cost plus the trie's
+    overconfidence (tuned by replay). Starting from the chain makes the tree accept at least
+    what the chain would.
+
+    Returns ``(tokens, parents, chain_len)``: nodes in the order added, so every parent
+    precedes its children (``parents[i]`` in [-1, i), -1 for a child of the root) and any prefix
+    of the nodes is itself a tree; the first ``chain_len`` nodes are ``best_chain``'s draft.
+    """
+    tokens = np.empty(max(max_nodes, 0), dtype=np.int32)
+    parents = np.empty(max(max_nodes, 0), dtype=np.int32)
+    if candidates.shape[0] == 0 or max_nodes <= 0:
+        return tokens[:0], parents[:0], 0
+    trie_parent, token, weight, first_child, next_sibling, num_nodes = build_trie(
+        candidates, lengths, weights)
+    denominator = weight[0] + prior_weight
+    chain = _chain_nodes(weight, first_child, next_sibling, min(max_nodes, max_depth),
+                         denominator, min_prefix_prob, min_len)
+    depth = np.zeros(num_nodes, dtype=np.int64)
+    #: Output index of each trie node added so far (-1: not added; the root maps to -1 too).
+    index = np.full(num_nodes, -1, dtype=np.int64)
+    frontier = np.empty(num_nodes, dtype=np.int64)
+    size = 0
+    n = 0
+    for node in chain:
+        tokens[n] = token[node]
+        parents[n] = n - 1
+        index[node] = n
+        n += 1
+        depth[node] = n
+    # Every child of the root or of an added node that is not added itself is a candidate.
+    for i in range(-1, min(n, max_depth - 1)):
+        child = first_child[0] if i < 0 else first_child[chain[i]]
+        while child != NO_NODE:
+            if index[child] < 0:
+                frontier[size] = child
+                size += 1
+            child = next_sibling[child]
+    while n < max_nodes and size > 0 and denominator > 0:
+        best = 0
+        for f in range(1, size):
+            # Ties go to the node inserted first (lower id): deterministic on every rank.
+            if weight[frontier[f]] > weight[frontier[best]] or (
+                    weight[frontier[f]] == weight[frontier[best]]
+                    and frontier[f] < frontier[best]):
+                best = f
+        node = frontier[best]
+        if weight[node] / denominator < branch_min_prob:
+            break
+        size -= 1
+        frontier[best] = frontier[size]
+        tokens[n] = token[node]
+        parents[n] = index[trie_parent[node]] if trie_parent[node] != 0 else -1
+        index[node] = n
+        n += 1
+        depth[node] = depth[trie_parent[node]] + 1
+        if depth[node] >= max_depth:
+            continue
+        child = first_child[node]
+        while child != NO_NODE:
+            frontier[size] = child
+            size += 1
+            child = next_sibling[child]
+    return tokens[:n], parents[:n], len(chain)
+
+
+class TreeDraft(NamedTuple):
+    """A drafted token tree: ``tokens[i]``'s parent is node ``parents[i]`` (-1: the root)."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    #: The first ``chain_len`` nodes are the chain the method drafts with ``tree: "off"``.
+    chain_len: int
+
+    def chain(self) -> np.ndarray:
+        return self.tokens[:self.chain_len]
+
+
+def select_draft(candidates: np.ndarray, lengths: np.ndarray, weights: np.ndarray,
+                 max_len: int, config: Any, max_depth: int | None = None
+                 ) -> np.ndarray | TreeDraft:
+    """What a trie-voting method drafts from its candidates: the best chain of at most
+    ``max_depth`` tokens, or with ``config.tree == "on"`` a tree of at most ``max_len`` nodes
+    and ``max_depth`` deep (``max_depth`` defaults to ``max_len``)."""
+    depth = max_len if max_depth is None else min(max_depth, max_len)
+    if config.tree == "on":
+        return TreeDraft(*best_tree(candidates, lengths, weights, max_len,
+                                    config.min_prefix_prob, config.prior_weight,
+                                    config.min_draft_len, config.tree_min_prob, depth))
+    return best_chain(candidates, lengths, weights, depth, config.min_prefix_prob,
+                      config.prior_weight, config.min_draft_len)

@@ -20,6 +20,8 @@ import numpy as np
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
+from vllm_retrieval_spec.drafting.tree import TreeDraft
+from vllm_retrieval_spec.tree_verification import is_chain, valid_tree
 from vllm_retrieval_spec.metrics import MethodMetrics
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,11 @@ class RetrievalProposer:
         self.budget_ns = int(self.config.draft_budget_ms * 1e6)
         #: Request id of each batch row this step (``observe_batch``; empty outside vLLM).
         self.row_req_ids: list[str] = []
+        #: Whether each batch row may get a tree this step (``observe_batch``).
+        self.tree_rows: list[bool] = []
+        #: Request id -> parents of its draft, for this step's drafts that are trees (not
+        #: chains); ``tree_verification`` reads it when vLLM schedules those drafts.
+        self.tree_parents: dict[str, np.ndarray] = {}
         self.acceptance = (AcceptanceTracker(self.k, self.config.draft_token_cost,
                                              self.config.min_draft_len)
                            if self.config.adaptive_draft_len else None)
@@ -51,18 +58,20 @@ class RetrievalProposer:
     def load_model(self, model: Any) -> None:
         """The CPU runner hands over the target model; retrieval needs none by default."""
 
-    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
+    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         """Draft at most ``max_len`` tokens to follow ``context`` (int32, the request's tokens)."""
         raise NotImplementedError
 
-    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         """``draft`` for batch row ``row``; methods with per-request state override this."""
         return self.draft(context, max_len)
 
-    def observe_batch(self, req_ids: list[str]) -> None:
-        """The plugin calls this each step before ``propose``: which request is in which row.
-        State of requests that left the batch is dropped."""
+    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
+        """The plugin calls this each step before ``propose``: which request is in which row,
+        and which rows may get a tree (greedy requests, where vLLM can verify trees). State of
+        requests that left the batch is dropped."""
         self.row_req_ids = req_ids
+        self.tree_rows = tree_rows or []
         if len(self.last_draft_len) > len(req_ids):
             present = set(req_ids)
             self.last_draft_len = {r: n for r, n in self.last_draft_len.items() if r in present}
@@ -76,6 +85,7 @@ class RetrievalProposer:
         token_ids_cpu: np.ndarray,
         slot_mappings: Any = None,
     ) -> list[list[int]]:
+        self.tree_parents = {}
         running = sum(1 for sampled in sampled_token_ids if sampled)
         self.metrics.target_forwards.inc(running)
         self.metrics.output_tokens.inc(sum(map(len, sampled_token_ids)))
@@ -99,10 +109,12 @@ class RetrievalProposer:
                 self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
                                        len(sampled) - 1)
                 max_len = min(max_len, self.acceptance.cap(req_id))
-            draft = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
-                if max_len > 0 else []
+            draft, parents = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
+                if max_len > 0 else ([], None)
             if req_id is not None:
                 self.last_draft_len[req_id] = len(draft)
+                if parents is not None:
+                    self.tree_parents[req_id] = parents
             drafts.append(draft)
         return drafts
 
@@ -120,14 +132,17 @@ class RetrievalProposer:
     def num_failed_drafts(self) -> int:
         return sum(self.failures.values())
 
-    def _safe_draft(self, row: int, context: np.ndarray, max_len: int) -> list[int]:
+    def _safe_draft(self, row: int, context: np.ndarray,
+                    max_len: int) -> tuple[list[int], np.ndarray | None]:
+        """The row's draft tokens, and their parents when they form a tree (not a chain)."""
         self.metrics.lookups.inc()
-        draft = self._checked_draft(row, context, max_len)
+        draft, parents = self._checked_draft(row, context, max_len)
         if not draft:
             self.metrics.empty_lookups.inc()
-        return draft
+        return draft, parents
 
-    def _checked_draft(self, row: int, context: np.ndarray, max_len: int) -> list[int]:
+    def _checked_draft(self, row: int, context: np.ndarray,
+                       max_len: int) -> tuple[list[int], np.ndarray | None]:
         start = time.perf_counter_ns()
         draft_row = self.draft_row
         if self.config.inject_faults and self._fault_rng.random() < self.config.inject_faults:
@@ -136,27 +151,38 @@ class RetrievalProposer:
             draft = draft_row(row, context, max_len)
         except TimeoutError:
             self._fail("over_budget", f"waited past its {self.config.draft_budget_ms} ms budget")
-            return []
+            return [], None
         except Exception:
             self._fail("exception", "raised", exc_info=True)
-            return []
+            return [], None
         elapsed = time.perf_counter_ns() - start
         if self.budget_ns and elapsed > self.budget_ns:
             # The time is spent, but a draft this late would make the step later still
             # (its verification costs more too); a slow lookup must not become the norm.
             self._fail("over_budget", f"took {elapsed / 1e6:.2f} ms, over its "
                                       f"{self.config.draft_budget_ms} ms budget")
-            return []
+            return [], None
+        parents = None
+        if isinstance(draft, TreeDraft):
+            if row < len(self.tree_rows) and self.tree_rows[row]:
+                draft, parents = draft.tokens, draft.parents
+            else:
+                # Only greedy requests are verified as trees: the others get the tree's chain.
+                draft = draft.chain()
         if len(draft) > max_len:
             self._fail("too_long", f"returned {len(draft)} tokens, more than the allowed {max_len}")
-            return []
+            return [], None
         if len(draft) and (draft.min() < 0 or draft.max() >= self.vocab_size):
             self._fail("out_of_vocabulary",
                        f"returned token ids outside [0, {self.vocab_size}): {draft.tolist()}")
-            return []
+            return [], None
+        if parents is not None and (len(parents) != len(draft) or not valid_tree(parents)):
+            self._fail("bad_tree", f"returned a tree whose parents {parents.tolist()} are not "
+                                   "in topological order")
+            return [], None
         if too_short(len(draft), max_len, self.config.min_draft_len):
-            return []
-        return draft.tolist()
+            return [], None
+        return draft.tolist(), None if parents is None or is_chain(parents) else parents
 
     def _injected_fault(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
         kind = next(self._fault_kinds)

@@ -20,7 +20,7 @@ from vllm_retrieval_spec.config import DresdConfig, HybridConfig
 from vllm_retrieval_spec.datastore.dense import DenseIndex
 from vllm_retrieval_spec.datastore.format import SEPARATOR
 from vllm_retrieval_spec.datastore.suffix_array import copy_continuation
-from vllm_retrieval_spec.drafting.tree import best_chain
+from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
 
@@ -61,12 +61,11 @@ def load_dense_index(config: DresdConfig | HybridConfig, model_config: Any) -> D
 
 
 def dresd_draft(index: DenseIndex, neighbours: np.ndarray, scores: np.ndarray, emitted: int,
-                max_len: int, config: DresdConfig) -> np.ndarray:
+                max_len: int, config: DresdConfig) -> np.ndarray | TreeDraft:
     """The best chain of the neighbours' continuations after the ``emitted`` filter."""
     cands, lengths, weights = matching_continuations(
         index.tokens, index.positions, neighbours, scores, emitted, max_len)
-    return best_chain(cands, lengths, weights, max_len, config.min_prefix_prob,
-                      config.prior_weight, config.min_draft_len)
+    return select_draft(cands, lengths, weights, max_len, config)
 
 
 def project_last_states(index: DenseIndex, states: Any,
@@ -138,7 +137,7 @@ class DresdProposer(RetrievalProposer):
         neighbours, scores = self.index.search(queries, self.config.top_n)
         return neighbours, scores, time.perf_counter_ns() - start
 
-    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         where = self.row_chunk[row] if row < len(self.row_chunk) else None
         if where is None:
             return np.empty(0, dtype=np.int32)

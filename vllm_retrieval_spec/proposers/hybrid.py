@@ -23,7 +23,7 @@ from vllm_retrieval_spec.config import HybridConfig
 from vllm_retrieval_spec.datastore.dense import DenseIndex, dense_index_in_use
 from vllm_retrieval_spec.datastore.served import PeriodicSaver, ServedRequests, ServedStore
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
-from vllm_retrieval_spec.drafting.tree import best_chain
+from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
 from vllm_retrieval_spec.proposers.dresd import (
     load_dense_index,
     matching_continuations,
@@ -46,7 +46,7 @@ def source_weights(num_candidates: int, match_len: int, weight_per_token: float,
 def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, max_len: int,
                  config: HybridConfig, dense: DenseIndex | None = None,
                  query: np.ndarray | Callable[[], np.ndarray | None] | None = None,
-                 served: ServedStore | None = None) -> np.ndarray:
+                 served: ServedStore | None = None) -> np.ndarray | TreeDraft:
     """The best chain of every source's candidates.
 
     ``query`` is the projected final hidden state that produced ``context[-1]``, or a function
@@ -72,6 +72,18 @@ def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, ma
         lengths.append(served_lengths)
         weights.append(source_weights(len(served_cands), served_n, config.served_weight, True))
         longest_match = max(longest_match, served_n)
+    if config.tree == "on" and config.tree_branch_weight:
+        # A tree holds more than the best chain: the continuations of every earlier occurrence
+        # of the last token alone, which the longest match leaves out, as light branches.
+        short = [find_context_matches(context, 1, 1, config.max_occurrences, max_len)[:2]]
+        if served is not None:
+            short.append(served.lookup(context, min_len=1, max_len=1,
+                                       max_occurrences=config.max_occurrences,
+                                       continuation_len=max_len)[:2])
+        for short_cands, short_lengths in short:
+            candidates.append(short_cands)
+            lengths.append(short_lengths)
+            weights.append(source_weights(len(short_cands), 1, config.tree_branch_weight, True))
     if datastore is not None and context_n < config.skip_datastore_match_len:
         store_cands, store_lengths, store_n = datastore.lookup(
             context, min_len=config.min_match_len,
@@ -95,14 +107,13 @@ def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, ma
             # next-token filter is itself evidence that the state is a familiar one.
             weights.append(config.dense_weight * similarity / config.top_n)
             searched_dense = True
+    max_depth = max_len
     if config.max_spec_factor and not searched_dense:
         # A draft is no longer than the evidence behind it: an n-token match predicts about n
         # tokens (SuffixDecoding's max_spec_factor). Dense neighbours have no match length.
-        max_len = min(max_len, max(config.min_draft_len,
-                                   int(config.max_spec_factor * longest_match)))
-    return best_chain(np.concatenate(candidates), np.concatenate(lengths),
-                      np.concatenate(weights), max_len, config.min_prefix_prob,
-                      config.prior_weight, config.min_draft_len)
+        max_depth = max(config.min_draft_len, int(config.max_spec_factor * longest_match))
+    return select_draft(np.concatenate(candidates), np.concatenate(lengths),
+                        np.concatenate(weights), max_len, config, max_depth)
 
 
 class HybridProposer(RestProposer):
@@ -172,8 +183,8 @@ class HybridProposer(RestProposer):
             self.saver.close()
         self.served.close()
 
-    def observe_batch(self, req_ids: list[str]) -> None:
-        super().observe_batch(req_ids)
+    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
+        super().observe_batch(req_ids, tree_rows)
         if self.served_requests is not None:
             # Requests that left the batch are finished: what they generated is served.
             self.served_requests.finish_absent(req_ids)
@@ -212,9 +223,9 @@ class HybridProposer(RestProposer):
         q = self.row_query.get(row)
         return None if q is None else self.queries[q]
 
-    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
+    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return hybrid_draft(self.datastore, context, max_len, self.config, self.dense,
                             lambda: self.query(row), self.served)
 
-    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
+    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return hybrid_draft(self.datastore, context, max_len, self.config, served=self.served)

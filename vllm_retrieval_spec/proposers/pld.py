@@ -20,7 +20,7 @@ import numba
 import numpy as np
 
 from vllm_retrieval_spec.config import PldConfig, PldPlusConfig
-from vllm_retrieval_spec.drafting.tree import best_chain
+from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.hidden_states import HiddenStateCache, unit_rows
 
@@ -62,12 +62,11 @@ def find_context_matches(
     return candidates, lengths, best
 
 
-def pld_draft(context: np.ndarray, max_len: int, config: PldConfig) -> np.ndarray:
+def pld_draft(context: np.ndarray, max_len: int, config: PldConfig) -> np.ndarray | TreeDraft:
     """Continuations of the longest earlier match in the context, voted; the best chain."""
     candidates, lengths, _ = find_context_matches(
         context, config.min_match_len, config.max_match_len, config.max_occurrences, max_len)
-    return best_chain(candidates, lengths, np.ones(len(candidates)), max_len,
-                      config.min_prefix_prob, config.prior_weight, config.min_draft_len)
+    return select_draft(candidates, lengths, np.ones(len(candidates)), max_len, config)
 
 
 class PldProposer(RetrievalProposer):
@@ -78,7 +77,7 @@ class PldProposer(RetrievalProposer):
         # Compile now rather than inside the first decoding step.
         self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
 
-    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
+    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return pld_draft(context, max_len, self.config)
 
 

@@ -8,13 +8,13 @@ import numpy as np
 
 from vllm_retrieval_spec.config import RestConfig
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
-from vllm_retrieval_spec.drafting.tree import best_chain
+from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
 
 def rest_draft(
     datastore: SuffixArrayDatastore, context: np.ndarray, max_len: int, config: RestConfig
-) -> np.ndarray:
+) -> np.ndarray | TreeDraft:
     """Continuations of the longest matching suffix, voted in a trie; the best chain."""
     candidates, lengths, _ = datastore.lookup(
         context,
@@ -24,8 +24,7 @@ def rest_draft(
         continuation_len=max_len,
     )
     # Every occurrence of the same suffix is equally good evidence: one vote each.
-    return best_chain(candidates, lengths, np.ones(len(candidates)), max_len,
-                      config.min_prefix_prob, config.prior_weight, config.min_draft_len)
+    return select_draft(candidates, lengths, np.ones(len(candidates)), max_len, config)
 
 
 class RestProposer(RetrievalProposer):
@@ -40,6 +39,6 @@ class RestProposer(RetrievalProposer):
         # Compile the numba functions now rather than inside the first decoding step.
         self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
 
-    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray:
+    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         # lookup() itself reads only the last max_match_len tokens.
         return rest_draft(self.datastore, context, max_len, self.config)
