@@ -87,6 +87,27 @@ def code_prompts(tokenizer) -> list[list[int]]:
     return task_prompts("code-gen", tokenizer, E2E_PROMPTS)
 
 
+def run_interpreted(script: str, directory: Path) -> dict:
+    """What ``script`` saves (``python script PATH``) when run in a fresh process with
+    ``TRITON_INTERPRET=1``: Triton reads that variable when it is first imported, and this
+    process's Triton must stay compiled for every other test (see test_kernels.py). The saved
+    dict's ``interpreted`` lists, per kernel, whether the interpreter ran it."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    path = directory / "outputs.pt"
+    run = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    if run.returncode != 0:
+        pytest.fail(f"interpreted kernel run failed:\n{run.stderr[-6000:]}")
+    results = torch.load(path)
+    assert all(results["interpreted"]), "a kernel was not run by the interpreter"
+    return results
+
+
 def make_llm(model_dir: str, speculative_config: dict | None):
     from vllm import LLM
 

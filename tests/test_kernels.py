@@ -11,14 +11,12 @@ projects every case and saves the outputs for the tests here to compare.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from conftest import run_interpreted
 from vllm_retrieval_spec.kernels import projection
 from vllm_retrieval_spec.kernels.projection import project, project_reference, project_triton
 
@@ -87,16 +85,7 @@ def _project_cases_interpreted(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def triton_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    path = tmp_path_factory.mktemp("kernels") / "outputs.pt"
-    run = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
-    if run.returncode != 0:
-        pytest.fail(f"interpreted kernel run failed:\n{run.stderr[-6000:]}")
-    results = torch.load(path)
-    assert results["interpreted"] == [True, True], "the kernel was not run by the interpreter"
-    return results["outputs"]
+    return run_interpreted(__file__, tmp_path_factory.mktemp("kernels"))["outputs"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -8,14 +8,12 @@ As in test_kernels.py, the kernels run in one fresh process started with TRITON_
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from conftest import run_interpreted
 from vllm_retrieval_spec.kernels import tree_attention as kernels
 from vllm_retrieval_spec.kernels.tree_attention import (
     tree_ancestor_mask,
@@ -110,16 +108,7 @@ def _run_interpreted(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def triton_outputs(tmp_path_factory) -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    path = tmp_path_factory.mktemp("tree-kernels") / "outputs.pt"
-    run = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    if run.returncode != 0:
-        pytest.fail(f"interpreted kernel run failed:\n{run.stderr[-6000:]}")
-    results = torch.load(path)
-    assert results["interpreted"] == [True, True], "the kernels were not run by the interpreter"
-    return results
+    return run_interpreted(__file__, tmp_path_factory.mktemp("tree-kernels"))
 
 
 @pytest.mark.parametrize("name", CASES)
