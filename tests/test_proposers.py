@@ -115,17 +115,17 @@ def test_rest_drafts_trees_for_the_rows_vllm_verifies_as_trees(datastore):
     drafts = proposer.propose([[3], [3], [1]], lengths, tokens)
     # Row a: the chain 4 5 6 7 (2/3 each), then the branches of 1/3: 9 after 3, 0 after 7.
     assert drafts[0][:4] == [4, 5, 6, 7]
-    parents = proposer.tree_parents["a"].tolist()
+    parents = proposer.trees["a"].parents.tolist()
     assert parents[:4] == [-1, 0, 1, 2]
     assert sorted(zip(drafts[0][4:], parents[4:])) == [(0, 3), (9, -1)]
     # Row b (a sampled request) gets the chain; row c's continuations agree: a chain, which
     # vLLM verifies as one.
     assert drafts[1:] == [[4, 5, 6, 7], [2, 3, 4, 5, 6, 7]]
-    assert list(proposer.tree_parents) == ["a"]
+    assert list(proposer.trees) == ["a"]
     proposer.observe_batch(["a"], None)
     tokens, lengths = batch([1, 2, 3])
     assert proposer.propose([[3]], lengths, tokens) == [[4, 5, 6, 7]]
-    assert proposer.tree_parents == {}
+    assert proposer.trees == {}
 
 
 def test_a_tree_with_parents_out_of_order_costs_its_draft(datastore, caplog):

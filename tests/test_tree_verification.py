@@ -128,3 +128,28 @@ def test_paged_kv_reads_what_vllm_cpu_writes():
     wrong = PagedKV(paged.isa, 64)
     wrong.read = lambda cache, s: (paged.read(cache, s)[1], paged.read(cache, s)[0])
     assert not wrong.check(kv_cache)
+
+
+def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_tree():
+    torch = pytest.importorskip("torch")
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
+    from vllm_retrieval_spec.tree_verification import TreeVerifier
+
+    tree = TreeDraft(TOKENS, PARENTS, 1)
+    verifier = TreeVerifier(paged=None)
+    # Rows: a (its tree, cut to 4 nodes by the scheduler), b (a prefill chunk), c (tokens that
+    # are not its tree's: verified as the chain vLLM takes them for), d (a chain).
+    scheduled = {"a": TOKENS[:4].tolist(), "c": [10, 11, 99], "d": [1, 2]}
+    num_scheduled = np.array([5, 7, 4, 3])
+    num_computed = np.array([20, 0, 30, 40])
+    positions = torch.arange(19) + 1000
+    verifier.begin_step({"a": tree, "c": tree, "d": TreeDraft(np.array([1, 2]),
+                                                              np.array([-1, 0]), 2)},
+                        ["a", "b", "c", "d"], scheduled, num_scheduled, num_computed, positions,
+                        19)
+    assert [(t.row, t.parents.tolist(), t.base, t.query_start) for t in verifier.step.rows] \
+        == [(0, [-1, -1, 0, 0], 20, 0)]
+    # Row a: root at 20, its nodes at depth 1, 1, 2, 2; every other row untouched.
+    assert positions[:5].tolist() == [1000, 21, 21, 22, 22]
+    assert positions[5:].tolist() == list(range(1005, 1019))
+    assert verifier.stats() == {"tree_nodes_mean": (4 + 3 + 2) / 3, "tree_steps": 1}

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.drafting.tree import TreeDraft
+
 SEQUENCES_ENV = "TREE_ORACLE_SEQUENCES"
 
 #: Nodes as (parent, which): ``("t", d)`` is the true continuation's d-th token, ``("w", d)`` a
@@ -30,7 +32,7 @@ class TreeOracleProposer:
             self.sequences = [np.asarray(s) for s in json.load(f)]
         self.req_ids: list[str] = []
         self.tree_rows: list[bool] | None = None
-        self.tree_parents: dict[str, np.ndarray] = {}
+        self.trees: dict[str, TreeDraft] = {}
 
     def load_model(self, model: Any) -> None:
         pass
@@ -46,7 +48,7 @@ class TreeOracleProposer:
         return sequence[:0]
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
-        self.tree_parents = {}
+        self.trees = {}
         drafts = []
         for i, sampled in enumerate(sampled_token_ids):
             truth = self.continuation(token_ids_cpu[i, :num_tokens_no_spec[i]]) \
@@ -54,7 +56,9 @@ class TreeOracleProposer:
             if len(truth) < 4 or not (self.tree_rows and self.tree_rows[i]):
                 drafts.append([int(t) for t in truth])
                 continue
-            drafts.append([int(truth[d]) if kind == "t" else int(truth[d] + 1) % self.vocab_size
-                           for _, (kind, d) in TREE])
-            self.tree_parents[self.req_ids[i]] = np.array([p for p, _ in TREE], dtype=np.int32)
+            tokens = [int(truth[d]) if kind == "t" else int(truth[d] + 1) % self.vocab_size
+                      for _, (kind, d) in TREE]
+            drafts.append(tokens)
+            self.trees[self.req_ids[i]] = TreeDraft(np.array(tokens),
+                                                    np.array([p for p, _ in TREE]), 0)
         return drafts

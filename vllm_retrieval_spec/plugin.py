@@ -257,7 +257,7 @@ def _with_tree_positions(prepare_inputs: Callable) -> Callable:
         result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
         verifier = self.__dict__.get("_rsd_tree_verifier")
         if verifier is not None:
-            verifier.begin_step(self.drafter.tree_parents, list(self.input_batch.req_ids),
+            verifier.begin_step(self.drafter.trees, list(self.input_batch.req_ids),
                                 scheduler_output.scheduled_spec_decode_tokens,
                                 num_scheduled_tokens,
                                 self.input_batch.num_computed_tokens_cpu, self.positions,

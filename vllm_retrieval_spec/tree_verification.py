@@ -1,7 +1,7 @@
 """Token-tree drafts verified inside vLLM 0.32, which itself verifies only chains.
 
 A drafter that drafts a tree for a request returns its nodes, in topological order, as that
-request's draft tokens and keeps their parents (``RetrievalProposer.tree_parents``). vLLM
+request's draft tokens and keeps the tree (``RetrievalProposer.trees``). vLLM
 schedules them like a chain: one KV slot each, at the sequential positions after the root (the
 request's last sampled token). ``plugin.py`` wires the four changes a tree needs into one step:
 
@@ -203,7 +203,7 @@ class TreeVerifier:
             self.nodes = self.decode_steps = self.tree_steps = 0
         return stats
 
-    def begin_step(self, drafter_trees: dict[str, np.ndarray], req_ids: list[str],
+    def begin_step(self, drafter_trees: dict[str, Any], req_ids: list[str],
                    scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
                    num_computed: np.ndarray, positions: Any, num_tokens: int) -> None:
         """Find this step's tree rows and give their nodes depth positions."""
@@ -217,10 +217,13 @@ class TreeVerifier:
             decoding = int(num_scheduled[i] == n + 1)
             self.nodes += n * decoding
             self.decode_steps += decoding
-            parents = drafter_trees.get(req_id)
+            tree = drafter_trees.get(req_id)
             # The scheduler may cut a draft short; any prefix of a topological order is a tree.
-            if parents is not None and n and decoding and not is_chain(parents[:n]):
-                rows.append(TreeRow(i, np.asarray(parents[:n], dtype=np.int64),
+            # Tokens that are not the tree's (a draft from another step) are verified as the
+            # chain vLLM takes them for: any token sequence verifies losslessly as a chain.
+            if tree is not None and n and decoding and not is_chain(tree.parents[:n]) \
+                    and np.array_equal(tree.tokens[:n], draft):
+                rows.append(TreeRow(i, np.asarray(tree.parents[:n], dtype=np.int64),
                                     int(num_computed[i]), query_start))
             query_start += int(num_scheduled[i])
         if not rows:

@@ -40,9 +40,9 @@ class RetrievalProposer:
         self.row_req_ids: list[str] = []
         #: Whether each batch row may get a tree this step (``observe_batch``).
         self.tree_rows: list[bool] = []
-        #: Request id -> parents of its draft, for this step's drafts that are trees (not
-        #: chains); ``tree_verification`` reads it when vLLM schedules those drafts.
-        self.tree_parents: dict[str, np.ndarray] = {}
+        #: Request id -> its draft, for this step's drafts that are trees (not chains);
+        #: ``tree_verification`` reads it when vLLM schedules those drafts.
+        self.trees: dict[str, TreeDraft] = {}
         self.acceptance = (AcceptanceTracker(self.k, self.config.draft_token_cost,
                                              self.config.min_draft_len)
                            if self.config.adaptive_draft_len else None)
@@ -85,7 +85,7 @@ class RetrievalProposer:
         token_ids_cpu: np.ndarray,
         slot_mappings: Any = None,
     ) -> list[list[int]]:
-        self.tree_parents = {}
+        self.trees = {}
         running = sum(1 for sampled in sampled_token_ids if sampled)
         self.metrics.target_forwards.inc(running)
         self.metrics.output_tokens.inc(sum(map(len, sampled_token_ids)))
@@ -109,12 +109,12 @@ class RetrievalProposer:
                 self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
                                        len(sampled) - 1)
                 max_len = min(max_len, self.acceptance.cap(req_id))
-            draft, parents = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
+            draft, tree = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
                 if max_len > 0 else ([], None)
             if req_id is not None:
                 self.last_draft_len[req_id] = len(draft)
-                if parents is not None:
-                    self.tree_parents[req_id] = parents
+                if tree is not None:
+                    self.trees[req_id] = tree
             drafts.append(draft)
         return drafts
 
@@ -133,16 +133,16 @@ class RetrievalProposer:
         return sum(self.failures.values())
 
     def _safe_draft(self, row: int, context: np.ndarray,
-                    max_len: int) -> tuple[list[int], np.ndarray | None]:
-        """The row's draft tokens, and their parents when they form a tree (not a chain)."""
+                    max_len: int) -> tuple[list[int], TreeDraft | None]:
+        """The row's draft tokens, and the tree when they form one (not a chain)."""
         self.metrics.lookups.inc()
-        draft, parents = self._checked_draft(row, context, max_len)
+        draft, tree = self._checked_draft(row, context, max_len)
         if not draft:
             self.metrics.empty_lookups.inc()
-        return draft, parents
+        return draft, tree
 
     def _checked_draft(self, row: int, context: np.ndarray,
-                       max_len: int) -> tuple[list[int], np.ndarray | None]:
+                       max_len: int) -> tuple[list[int], TreeDraft | None]:
         start = time.perf_counter_ns()
         draft_row = self.draft_row
         if self.config.inject_faults and self._fault_rng.random() < self.config.inject_faults:
@@ -162,10 +162,10 @@ class RetrievalProposer:
             self._fail("over_budget", f"took {elapsed / 1e6:.2f} ms, over its "
                                       f"{self.config.draft_budget_ms} ms budget")
             return [], None
-        parents = None
+        tree = None
         if isinstance(draft, TreeDraft):
             if row < len(self.tree_rows) and self.tree_rows[row]:
-                draft, parents = draft.tokens, draft.parents
+                tree, draft = draft, draft.tokens
             else:
                 # Only greedy requests are verified as trees: the others get the tree's chain.
                 draft = draft.chain()
@@ -176,13 +176,14 @@ class RetrievalProposer:
             self._fail("out_of_vocabulary",
                        f"returned token ids outside [0, {self.vocab_size}): {draft.tolist()}")
             return [], None
-        if parents is not None and (len(parents) != len(draft) or not valid_tree(parents)):
-            self._fail("bad_tree", f"returned a tree whose parents {parents.tolist()} are not "
-                                   "in topological order")
+        if tree is not None and (len(tree.parents) != len(draft)
+                                 or not valid_tree(tree.parents)):
+            self._fail("bad_tree", f"returned a tree whose parents {tree.parents.tolist()} are "
+                                   "not in topological order")
             return [], None
         if too_short(len(draft), max_len, self.config.min_draft_len):
             return [], None
-        return draft.tolist(), None if parents is None or is_chain(parents) else parents
+        return draft.tolist(), None if tree is None or is_chain(tree.parents) else tree
 
     def _injected_fault(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
         kind = next(self._fault_kinds)
