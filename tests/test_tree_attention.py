@@ -19,6 +19,7 @@ from vllm_retrieval_spec.kernels.tree_attention import (
     tree_ancestor_mask,
     tree_attention,
     tree_attention_reference,
+    tree_attention_torch,
     tree_attention_triton,
     tree_mask_triton,
 )
@@ -124,6 +125,18 @@ def test_triton_attention_matches_reference(triton_outputs, name):
 @pytest.mark.parametrize("name", TREES)
 def test_triton_mask_matches_reference(triton_outputs, name):
     assert torch.equal(triton_outputs["masks"][name], tree_ancestor_mask(TREES[name]))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cpu_path_matches_reference(name):
+    q, k_ctx, v_ctx, k_tree, v_tree, parents = case_inputs(name)
+    expected = tree_attention_reference(q, k_ctx, v_ctx, k_tree, v_tree, parents, SCALE)
+    # The context head-major, as vLLM-CPU's paged cache is read (tree_verification.PagedKV).
+    out = tree_attention_torch(q, k_ctx.permute(1, 2, 0), v_ctx.transpose(0, 1), k_tree,
+                               v_tree, tree_ancestor_mask(parents), SCALE)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    tolerance = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
 def test_ancestor_mask_of_a_small_tree():

@@ -102,6 +102,7 @@ class TreeRow:
     parents: np.ndarray      # int64 [n]
     base: int                # position (and slot offset) of the root
     query_start: int         # the root's row in this step's flattened tokens
+    mask: Any = None         # tree_ancestor_mask(parents), for every layer of the step
 
 
 @dataclass
@@ -143,15 +144,17 @@ class PagedKV:
         return keys, values
 
     def read_prefix(self, kv_cache: Any, blocks: Any, length: int) -> tuple[Any, Any]:
-        """Keys and values of a request's first ``length`` tokens, ``blocks`` being its block
-        table: whole blocks are gathered (contiguous copies), then trimmed."""
+        """A request's first ``length`` tokens, head-major, as attention consumes them: keys
+        ``[num_kv_heads, head_size, length]``, values ``[num_kv_heads, length, head_size]``.
+        ``blocks`` is its block table; whole blocks are gathered, then trimmed."""
         key_cache, value_cache = self._split(kv_cache)
         num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
         used = blocks[:(length + block_size - 1) // block_size]
-        keys = key_cache.reshape(num_blocks, num_kv_heads, head_size, block_size)[used]
-        keys = keys.permute(0, 3, 1, 2).reshape(-1, num_kv_heads, head_size)[:length]
-        values = value_cache[used].permute(0, 2, 1, 3).reshape(-1, num_kv_heads, head_size)
-        return keys, values[:length]
+        keys = key_cache.reshape(num_blocks, num_kv_heads, head_size, block_size)
+        keys = keys.index_select(0, used).permute(1, 2, 0, 3).reshape(num_kv_heads, head_size, -1)
+        values = value_cache.index_select(0, used).permute(1, 0, 2, 3).reshape(
+            num_kv_heads, -1, head_size)
+        return keys[:, :, :length], values[:, :length]
 
     def write(self, kv_cache: Any, slots: Any, keys: Any, values: Any) -> None:
         from vllm import _custom_ops as ops
@@ -178,8 +181,8 @@ class PagedKV:
                                                       len(slots) - 3)
         block_order = torch.cat([slots[block_size:], slots[:block_size]])[:len(slots) - 3]
         return bool(torch.equal(read_keys, keys) and torch.equal(read_values, values)
-                    and torch.equal(prefix_keys, keys[block_order])
-                    and torch.equal(prefix_values, values[block_order]))
+                    and torch.equal(prefix_keys, keys[block_order].permute(1, 2, 0))
+                    and torch.equal(prefix_values, values[block_order].transpose(0, 1)))
 
 
 class TreeVerifier:
@@ -231,7 +234,10 @@ class TreeVerifier:
         self.tree_steps += len(rows)
         import torch
 
+        from vllm_retrieval_spec.kernels.tree_attention import tree_ancestor_mask
+
         for tree in rows:
+            tree.mask = tree_ancestor_mask(torch.from_numpy(tree.parents))
             start = tree.query_start + 1
             positions[start:start + len(tree.parents)] = torch.from_numpy(
                 tree.base + tree_depths(tree.parents))
@@ -244,9 +250,7 @@ class TreeVerifier:
         if step is None or attn_metadata is None or \
                 attn_metadata.num_actual_tokens != step.num_tokens:
             return
-        import torch
-
-        from vllm_retrieval_spec.kernels.tree_attention import tree_attention
+        from vllm_retrieval_spec.kernels.tree_attention import tree_attention_torch
 
         step.kv_caches[kv_cache.data_ptr()] = kv_cache
         step.block_table = attn_metadata.block_table
@@ -255,9 +259,9 @@ class TreeVerifier:
             keys, values = self.paged.read_prefix(
                 kv_cache, attn_metadata.block_table[tree.row], tree.base + 1)
             first = tree.query_start + 1
-            output[first:first + n] = tree_attention(
+            output[first:first + n] = tree_attention_torch(
                 query[first:first + n], keys, values, key[first:first + n],
-                value[first:first + n], torch.from_numpy(tree.parents), impl.scale)
+                value[first:first + n], tree.mask, impl.scale)
 
     def walk(self, logits: Any, num_draft_tokens: list[int],
              draft_token_ids: Any) -> list[tuple[TreeRow, list[int], list[int]]]:
