@@ -78,8 +78,7 @@ def greedy_tree_walk(parents: np.ndarray, tokens: np.ndarray,
 
 def path_moves(path: list[int]) -> list[tuple[int, int]]:
     """(from, to) offsets after the root of the KV entries to copy: the k-th path node (node
-    ``path[k]``, at offset ``path[k] + 1``) belongs at offset ``k + 1``. Ascending order is safe:
-    ``path[k] >= k``, so a source is never overwritten before it is read."""
+    ``path[k]``, at offset ``path[k] + 1``) belongs at offset ``k + 1`` (``path[k] >= k``)."""
     return [(node + 1, k + 1) for k, node in enumerate(path) if node != k]
 
 
@@ -305,17 +304,15 @@ class TreeVerifier:
         import torch
 
         offsets = torch.tensor(moves, dtype=torch.int64) + tree.base
+        # Every layer's cache shares the block table and block size: the slots are found once.
+        block_size = next(iter(step.kv_caches.values())).shape[2]
+        table = step.block_table[tree.row].to(torch.int64)
+        source, target = (table[offsets[:, i] // block_size] * block_size
+                          + offsets[:, i] % block_size for i in (0, 1))
         for kv_cache in step.kv_caches.values():
-            block_size = kv_cache.shape[2]
-            table = step.block_table[tree.row].to(torch.int64)
-            source = table[offsets[:, 0] // block_size] * block_size + offsets[:, 0] % block_size
-            target = table[offsets[:, 1] // block_size] * block_size + offsets[:, 1] % block_size
-            # One at a time, in order: a later source may be an earlier target only if it was
-            # read already (see path_moves).
-            for k in range(len(moves)):
-                keys, values = self.paged.read(kv_cache, source[k:k + 1])
-                self.paged.write(kv_cache, target[k:k + 1], keys.contiguous(),
-                                 values.contiguous())
+            # All sources are read before any target is written.
+            keys, values = self.paged.read(kv_cache, source)
+            self.paged.write(kv_cache, target, keys.contiguous(), values.contiguous())
 
 
 def cpu_tree_verifier(kv_cache: Any, head_size: int, kv_cache_dtype: str) -> TreeVerifier | None:
