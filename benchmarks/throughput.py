@@ -34,18 +34,22 @@ class MethodRun:
     method: str
     speculative_config: dict[str, Any] | None = None
     datastore: str | None = None
-    #: Drafts are token trees (``METHOD/tree``) rather than chains.
-    tree: bool = False
+    #: ``tree``: drafts are token trees (``METHOD/tree``) rather than chains;
+    #: ``after-sampling``: no drafts are precomputed (``METHOD/after-sampling``).
+    variant: str = ""
 
     @property
     def label(self) -> str:
-        return method_label(self.method, self.datastore) + ("/tree" if self.tree else "")
+        return method_label(self.method, self.datastore) + (f"/{self.variant}"
+                                                            if self.variant else "")
 
 
 #: vLLM's own drafters, compared with ours at the settings below.
 BUILTIN_METHODS = ("ngram", "suffix")
 #: Ours that can draft token trees.
 TREE_METHODS = ("rest", "pld", "hybrid", "dresd")
+#: ``METHOD/VARIANT`` -> the options it sets.
+VARIANTS = {"tree": {"tree": "on"}, "after-sampling": {"precompute_drafts": False}}
 
 
 @dataclass
@@ -72,12 +76,12 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
     runs = [MethodRun("plain")]
     for spelled in specs:
         spec, _, variant = spelled.partition("/")
-        if variant not in ("", "tree"):
-            raise ValueError(f"{spelled!r}: the only variant is '/tree' (token-tree drafts)")
+        if variant and variant not in VARIANTS:
+            raise ValueError(f"{spelled!r}: the variants are '/tree' (token-tree drafts) and "
+                             "'/after-sampling' (no drafts precomputed)")
         name, _, store = spec.partition(":")
         if variant and name not in TREE_METHODS:
-            raise ValueError(f"{spelled!r}: tree drafts are for "
-                             + ", ".join(TREE_METHODS))
+            raise ValueError(f"{spelled!r}: variants are for " + ", ".join(TREE_METHODS))
         # Options for the method, then for this row alone (keyed as spelled, e.g. "hybrid:a").
         options = {**(method_options or {}).get(name, {}),
                    **((method_options or {}).get(spec, {}) if store else {})}
@@ -102,7 +106,7 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
             raise ValueError(f"unknown method {name!r}; choose from plain, "
                              + ", ".join([*BUILTIN_METHODS, *sorted(METHODS)]))
         config = {"method": name, "num_speculative_tokens": k, **options,
-                  **({"tree": "on"} if variant else {})}
+                  **VARIANTS.get(variant, {})}
         label = None
         # hybrid alone drafts from what it serves (and the context); hybrid:NAME adds NAME.
         optional = name == "hybrid" and not store
@@ -114,7 +118,7 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                                  f"as {name}:NAME (--datastore NAME=DIR)")
             config["datastore"] = datastores[store]
             label = store
-        runs.append(MethodRun(name, config, datastore=label, tree=bool(variant)))
+        runs.append(MethodRun(name, config, datastore=label, variant=variant))
     return runs
 
 
@@ -319,7 +323,8 @@ class MethodEngine:
 
     def finish_task(self) -> tuple[dict[str, Any], list[list[int]]]:
         drafting = (self.llm.collective_rpc("rsd_drafting_stats")[0] if self.speculative
-                    else {"p50_ms": None, "p99_ms": None})
+                    else {"p50_ms": None, "p99_ms": None, "critical_p50_ms": None,
+                          "critical_p99_ms": None})
         row = _row(self.run, self.num_speculative_tokens, self.task, self.settings,
                    self.outputs, self.batches, self.accepted, self.drafts, drafting)
         return row, self.outputs
@@ -366,7 +371,7 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
     config["dtype"] = settings.dtype
     row = {
         "task": task,
-        "method": run.method + ("/tree" if run.tree else ""),
+        "method": run.method + (f"/{run.variant}" if run.variant else ""),
         "config": config,
         "datastore": run.datastore,
         "prompts": len(outputs),
@@ -379,6 +384,11 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
         "draft_ms_p50": _round(drafting["p50_ms"]),
         "draft_ms_p99": _round(drafting["p99_ms"]),
+        # The part of drafting vLLM waits for: from the sampled tokens to the drafts.
+        "draft_critical_ms_p50": _round(drafting["critical_p50_ms"]),
+        "draft_critical_ms_p99": _round(drafting["critical_p99_ms"]),
+        # Wall time per target forward (per step at concurrency 1), drafting included.
+        "step_ms": round(1e3 * elapsed / forwards, 3),
         "elapsed_s": round(elapsed, 2),
         # Draft nodes verified per request per step where trees are on; null for chains.
         "tree_nodes_mean": _round(drafting.get("tree_nodes_mean")),
@@ -387,6 +397,10 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
     if "served_store_tokens" in drafting:
         # What the method has learnt from served requests by the end of the task.
         row["served_store_tokens"] = drafting["served_store_tokens"]
+    precomputed = drafting.get("precomputed_used", 0) + drafting.get("precomputed_missed", 0)
+    if precomputed:
+        # Share of the requests' drafting steps served by drafts made before sampling.
+        row["precomputed_share"] = round(drafting.get("precomputed_used", 0) / precomputed, 3)
     if drafting.get("search_ns"):
         # DReSD: share of the ANN search time that drafting did not wait for (thread pool).
         row["search_hidden"] = round(1 - drafting["search_wait_ns"] / drafting["search_ns"], 3)
@@ -398,7 +412,8 @@ def _round(value: float | None) -> float | None:
 
 
 COLUMNS = ("task", "method", "datastore", "tokens_per_s", "speedup", "tokens_per_forward",
-           "mean_acceptance_length", "draft_ms_p50", "draft_ms_p99", "outputs_equal_plain")
+           "mean_acceptance_length", "draft_ms_p50", "draft_ms_p99", "draft_critical_ms_p50",
+           "draft_critical_ms_p99", "step_ms", "outputs_equal_plain")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -113,7 +113,15 @@ def test_tree_rows_sit_beside_the_same_methods_chain():
     assert [r.label for r in runs] == ["plain", "hybrid", "hybrid/tree", "rest:stdlib/tree"]
     assert [r.speculative_config.get("tree") for r in runs[1:]] == [None, "on", "on"]
     assert runs[3].speculative_config["datastore"] == "/ds"
-    with pytest.raises(ValueError, match="tree drafts are for rest, pld, hybrid, dresd"):
+    with pytest.raises(ValueError, match="variants are for rest, pld, hybrid, dresd"):
         method_runs(["ngram/tree"], 8, {})
-    with pytest.raises(ValueError, match="the only variant is '/tree'"):
+    with pytest.raises(ValueError, match="the variants are '/tree' .* and '/after-sampling'"):
         method_runs(["hybrid/forest"], 8, {})
+
+
+def test_after_sampling_rows_draft_without_precomputed_drafts():
+    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+
+    runs = method_runs(["pld", "pld/after-sampling"], 8, {})
+    assert [r.label for r in runs] == ["plain", "pld", "pld/after-sampling"]
+    assert [r.speculative_config.get("precompute_drafts") for r in runs[1:]] == [None, False]

@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: plain, ngram, suffix, pld, pld_plus, rest[:NAME], "
                         "hybrid[:NAME] (without NAME: the served store and the context only), "
                         "dresd[:NAME]; /tree after rest, pld, hybrid or dresd: the same with "
-                        "token-tree drafts (e.g. hybrid/tree)")
+                        "token-tree drafts (e.g. hybrid/tree); /after-sampling: the same "
+                        "drafting only after sampling, no drafts precomputed")
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",

@@ -55,6 +55,9 @@ class PlatformDefaults:
     min_draft_len: int
     #: PLD+: occurrences less similar than this are not drafted from.
     min_similarity: float
+    #: Make each request's possible next drafts before its sampled tokens are known
+    #: (``drafting.overlap``).
+    precompute_drafts: bool
 
     def for_options(self, names: set[str]) -> dict[str, Any]:
         """The defaults among ``names`` (a method's option names)."""
@@ -78,7 +81,7 @@ class PlatformDefaults:
 #:   ~5% of a forward per drafted token; 0.7 was best replaying prompts 20-39 of three tasks.
 VLLM_CPU_DEFAULTS = PlatformDefaults(
     name="vllm-cpu", draft_budget_ms=5.0, draft_token_cost=0.055, disable_by_batch_size=6,
-    min_draft_len=3, min_similarity=0.7)
+    min_draft_len=3, min_similarity=0.7, precompute_drafts=True)
 
 #: For GPUs, where a forward is 3-20 ms and verifying 64 tokens costs little more than one (not
 #: measured by this project: no GPU with vLLM was available; run `vllm-rsd calibrate` there):
@@ -91,7 +94,7 @@ VLLM_CPU_DEFAULTS = PlatformDefaults(
 #: - min_similarity 0.0: the PLD+ paper's best threshold on an A100 (its Table 7).
 ACCELERATOR_DEFAULTS = PlatformDefaults(
     name="accelerator", draft_budget_ms=1.0, draft_token_cost=0.01, disable_by_batch_size=0,
-    min_draft_len=1, min_similarity=0.0)
+    min_draft_len=1, min_similarity=0.0, precompute_drafts=True)
 
 
 def platform_defaults(is_cpu: bool) -> PlatformDefaults:
@@ -125,9 +128,17 @@ class MethodConfig:
     #: raising, drafting k + 1 tokens, drafting an id outside the vocabulary and overrunning the
     #: time budget, to show that such faults cost drafts, never the engine.
     inject_faults: float = 0.0
+    #: Make each request's possible next drafts (one per accepted length and following token
+    #: that can draft anything, ``drafting.overlap``) after its draft is handed to vLLM, so
+    #: that drafting after sampling is a lookup. Methods whose drafts need the step's hidden
+    #: states (DReSD, PLD+, hybrid with a dense index) draft after sampling as before.
+    precompute_drafts: bool
+    #: At most this many precomputed drafts per request and step; the likeliest first.
+    precompute_max_drafts: int = 32
 
     def __post_init__(self) -> None:
         _check_range(self, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        _check_range(self, "precompute_max_drafts", 1, 4096)
         _check_range(self, "draft_budget_ms", 0.0, 1e4)
         _check_range(self, "draft_token_cost", 0.0, 1.0)
         _check_range(self, "disable_by_batch_size", 0, 1 << 20)

@@ -6,32 +6,56 @@ import numpy as np
 
 
 class DraftingTimer:
-    """Wall time of every drafting step (one call for the whole batch), in nanoseconds.
+    """Drafting time of every step (one call for the whole batch), in nanoseconds: the critical
+    part, from vLLM handing over the sampled tokens to the drafts going back, and the total,
+    which adds the work done before sampling (``add_before``) and after the drafts were handed
+    over (``add_after``, precomputing the next step's drafts).
 
-    Appending to a preallocated array keeps the cost per step at a few hundred nanoseconds;
-    when it is full, the buffer doubles.
+    Appending to preallocated arrays keeps the cost per step at a few hundred nanoseconds;
+    when they are full, the buffers double.
     """
 
     def __init__(self, capacity: int = 1 << 16) -> None:
-        self._ns = np.zeros(capacity, dtype=np.int64)
+        self._critical = np.zeros(capacity, dtype=np.int64)
+        self._total = np.zeros(capacity, dtype=np.int64)
         self._count = 0
+        self._before = 0
 
-    def record(self, elapsed_ns: int) -> None:
-        if self._count == len(self._ns):
-            self._ns = np.concatenate([self._ns, np.zeros_like(self._ns)])
-        self._ns[self._count] = elapsed_ns
+    def add_before(self, elapsed_ns: int) -> None:
+        """Drafting work of the coming step done before its sampled tokens are known."""
+        self._before += elapsed_ns
+
+    def record(self, critical_ns: int) -> None:
+        if self._count == len(self._critical):
+            self._critical = np.concatenate([self._critical, np.zeros_like(self._critical)])
+            self._total = np.concatenate([self._total, np.zeros_like(self._total)])
+        self._critical[self._count] = critical_ns
+        self._total[self._count] = self._before + critical_ns
+        self._before = 0
         self._count += 1
 
+    def add_after(self, elapsed_ns: int) -> None:
+        """Drafting work of the last recorded step done after its drafts were handed over."""
+        if self._count:
+            self._total[self._count - 1] += elapsed_ns
+
+    def last_total_ns(self) -> int:
+        return int(self._total[self._count - 1]) if self._count else 0
+
     def summary(self, reset: bool = False) -> dict[str, float | int]:
-        """Steps timed and p50/p99/mean in milliseconds (NaN when nothing was timed)."""
-        ms = self._ns[: self._count] / 1e6
-        if len(ms):
-            p50, p99 = np.percentile(ms, [50, 99])
-            mean = ms.mean()
+        """Steps timed and, in milliseconds, p50/p99/mean of the total and p50/p99 of the
+        critical part (NaN when nothing was timed)."""
+        total = self._total[: self._count] / 1e6
+        critical = self._critical[: self._count] / 1e6
+        if len(total):
+            p50, p99 = np.percentile(total, [50, 99])
+            critical_p50, critical_p99 = np.percentile(critical, [50, 99])
+            mean = total.mean()
         else:
-            p50 = p99 = mean = float("nan")
-        summary = {"steps": int(len(ms)), "p50_ms": float(p50), "p99_ms": float(p99),
-                   "mean_ms": float(mean)}
+            p50 = p99 = mean = critical_p50 = critical_p99 = float("nan")
+        summary = {"steps": int(len(total)), "p50_ms": float(p50), "p99_ms": float(p99),
+                   "mean_ms": float(mean), "critical_p50_ms": float(critical_p50),
+                   "critical_p99_ms": float(critical_p99)}
         if reset:
             self._count = 0
         return summary
@@ -55,6 +79,7 @@ class MethodMetrics:
     def __init__(self, method: str) -> None:
         metrics = _prometheus_metrics()
         self.drafting_seconds = metrics["drafting_seconds"].labels(method)
+        self.drafting_critical_seconds = metrics["drafting_critical_seconds"].labels(method)
         self.lookups = metrics["lookups"].labels(method)
         self.empty_lookups = metrics["empty_lookups"].labels(method)
         self.output_tokens = metrics["output_tokens"].labels(method)
@@ -77,7 +102,12 @@ def _prometheus_metrics() -> dict[str, object]:
         p = PROMETHEUS_PREFIX
         _metrics.update(
             drafting_seconds=Histogram(
-                p + "drafting_seconds", "Drafting time per engine step, whole batch",
+                p + "drafting_seconds", "Drafting time per engine step, whole batch: before "
+                "sampling, after it (the critical part) and after the drafts were handed over",
+                ["method"], buckets=_DRAFTING_BUCKETS),
+            drafting_critical_seconds=Histogram(
+                p + "drafting_critical_seconds", "Drafting time per engine step, whole batch, "
+                "from the sampled tokens being handed over to the drafts going back",
                 ["method"], buckets=_DRAFTING_BUCKETS),
             lookups=Counter(p + "lookups", "Draft attempts (one per request per step)",
                             ["method"]),

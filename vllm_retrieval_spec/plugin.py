@@ -14,13 +14,16 @@ Otherwise:
   drafter that names ``aux_hidden_state_layers`` (PLD+) gets vLLM's EAGLE-3 auxiliary
   hidden-state path switched on for exactly those layers.
 - ``GPUModelRunner.propose_draft_token_ids`` (also the CPU runner's): times every drafting step,
-  for every method including vLLM's own, so benchmarks compare like with like; before drafting,
-  tells our drafters the batch's request ids (``observe_batch``) and
-  hands a drafter that wants them this step's auxiliary hidden states with request ids and
-  positions (``record_hidden_states``, PLD+) or each request's last final hidden state
-  (``record_last_hidden_states``, DReSD).
+  for every method including vLLM's own, so benchmarks compare like with like (this is the
+  critical part: vLLM waits for it); before drafting, hands a drafter that wants them this
+  step's auxiliary hidden states with request ids and positions (``record_hidden_states``,
+  PLD+) or each request's last final hidden state (``record_last_hidden_states``, DReSD).
+- ``GPUModelRunner._copy_draft_token_ids_to_cpu``: once the drafts are handed over, our
+  drafter makes the next step's possible drafts (``precompute_next``, ``drafting.overlap``).
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
 - ``Worker.shutdown``: closes the drafter first (hybrid saves its served store there).
+- ``GPUModelRunner._sample``: before sampling, tells our drafters the batch's request ids and
+  which may get trees (``observe_batch``): no sampled token is needed for that.
 - ``GPUModelRunner._prepare_inputs``, ``GPUModelRunner._sample`` and, on CPU,
   ``CPUAttentionBackendImpl.forward``: token-tree drafts are verified (``tree_verification``):
   depth positions, tree-masked attention of the draft rows, the longest accepted root path, and
@@ -85,6 +88,8 @@ _WRAPPED_SIGNATURES = {
         "self", "scheduler_output", "num_scheduled_tokens"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample": (
         "self", "logits", "spec_decode_metadata"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._copy_draft_token_ids_to_cpu": (
+        "self", "scheduler_output", "zeros_only"),
     "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward": (
         "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
         "output_scale", "output_block_scale"),
@@ -129,6 +134,8 @@ def register() -> None:
         GPUModelRunner._get_eagle3_aux_layers_from_config)
     GPUModelRunner.propose_draft_token_ids = _timed_with_hidden_states(
         GPUModelRunner.propose_draft_token_ids)
+    GPUModelRunner._copy_draft_token_ids_to_cpu = _precomputing_after_handover(
+        GPUModelRunner._copy_draft_token_ids_to_cpu)
     Worker.rsd_drafting_stats = _drafting_stats
     Worker.shutdown = _closing_drafter_first(Worker.shutdown)
     _fix_cpu_rejection_sampler()
@@ -285,6 +292,8 @@ def _with_tree_acceptance(sample: Callable) -> Callable:
     @functools.wraps(sample)
     def wrapper(self, logits, spec_decode_metadata):
         global _trees_in_flight
+        if self.speculative_config is not None:
+            _observe_batch(self)
         verifier = self.__dict__.get("_rsd_tree_verifier")
         if verifier is None or verifier.step is None or spec_decode_metadata is None:
             return sample(self, logits, spec_decode_metadata)
@@ -429,30 +438,45 @@ def _drafter_aux_layers_first(get_aux_layers: Callable) -> Callable:
     return wrapper
 
 
-def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
+def _drafting_timer(runner: Any) -> Any:
     from vllm_retrieval_spec.metrics import DraftingTimer
 
+    timer = runner.__dict__.get("_rsd_drafting_timer")
+    if timer is None:
+        timer = runner._rsd_drafting_timer = DraftingTimer()
+    return timer
+
+
+def _observe_batch(runner: Any) -> None:
+    """Tell our drafter which request is in which row and which may get a tree: this needs no
+    sampled token, so it runs before sampling, off the drafting's critical path."""
+    observe_batch = getattr(runner.__dict__.get("drafter"), "observe_batch", None)
+    if observe_batch is None:
+        return
+    from vllm_retrieval_spec.tree_verification import tree_eligible
+
+    start = time.perf_counter_ns()
+    verifier = _tree_verifier(runner)
+    req_ids = list(runner.input_batch.req_ids)
+    observe_batch(req_ids, None if verifier is None else [
+        tree_eligible(runner.requests[r].sampling_params) for r in req_ids])
+    _drafting_timer(runner).add_before(time.perf_counter_ns() - start)
+
+
+def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
     @functools.wraps(propose_draft_token_ids)
     def wrapper(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
-        timer = self.__dict__.get("_rsd_drafting_timer")
-        if timer is None:
-            timer = self._rsd_drafting_timer = DraftingTimer()
+        # The critical part: vLLM hands over this step's sampled tokens here and waits for the
+        # drafts (for vLLM's own methods too: the timer wraps every drafter).
         start = time.perf_counter_ns()
-        observe_batch = getattr(self.__dict__.get("drafter"), "observe_batch", None)
-        verifier = _tree_verifier(self)
-        if observe_batch is not None:
-            from vllm_retrieval_spec.tree_verification import tree_eligible
-
-            req_ids = list(self.input_batch.req_ids)
-            observe_batch(req_ids, None if verifier is None else [
-                tree_eligible(self.requests[r].sampling_params) for r in req_ids])
         if aux_hidden_states is not None and _drafter_aux_layers(self):
             self.drafter.record_hidden_states(
                 list(self.input_batch.req_ids), aux_hidden_states,
                 _accepted_state_segments(self, scheduler_output, sampled_token_ids))
         record_last = getattr(self.__dict__.get("drafter"), "record_last_hidden_states", None)
         if record_last is not None:
+            verifier = self.__dict__.get("_rsd_tree_verifier")
             record_last(sample_hidden_states,
                         _last_state_rows(sampled_token_ids, spec_decode_metadata,
                                          verifier.last_nodes if verifier else {}))
@@ -460,11 +484,31 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
                                          sampling_metadata, hidden_states, sample_hidden_states,
                                          aux_hidden_states, spec_decode_metadata, *args, **kwargs)
         elapsed = time.perf_counter_ns() - start
-        timer.record(elapsed)
+        _drafting_timer(self).record(elapsed)
         metrics = getattr(self.__dict__.get("drafter"), "metrics", None)
         if metrics is not None:
-            metrics.drafting_seconds.observe(elapsed / 1e9)
+            metrics.drafting_critical_seconds.observe(elapsed / 1e9)
         return drafts
+
+    return wrapper
+
+
+def _precomputing_after_handover(copy_draft_token_ids: Callable) -> Callable:
+    """vLLM stores the drafts right after drafting; then, with the caches still warm from
+    drafting, our drafter makes the next step's possible drafts (``drafting.overlap``)."""
+
+    @functools.wraps(copy_draft_token_ids)
+    def wrapper(self, scheduler_output, zeros_only=False):
+        result = copy_draft_token_ids(self, scheduler_output, zeros_only)
+        drafter = self.__dict__.get("drafter")
+        precompute_next = getattr(drafter, "precompute_next", None)
+        if precompute_next is not None and not zeros_only:
+            start = time.perf_counter_ns()
+            precompute_next()
+            timer = _drafting_timer(self)
+            timer.add_after(time.perf_counter_ns() - start)
+            drafter.metrics.drafting_seconds.observe(timer.last_total_ns() / 1e9)
+        return result
 
     return wrapper
 
@@ -535,5 +579,5 @@ def _drafting_stats(worker: Any, reset: bool = False) -> dict[str, float | int]:
     timer = runner.__dict__.get("_rsd_drafting_timer") or DraftingTimer(capacity=1)
     drafter_stats = getattr(runner.__dict__.get("drafter"), "stats", None)
     verifier = runner.__dict__.get("_rsd_tree_verifier")
-    return {**timer.summary(reset=reset), **(drafter_stats() if drafter_stats else {}),
+    return {**timer.summary(reset=reset), **(drafter_stats(reset) if drafter_stats else {}),
             **(verifier.stats(reset) if verifier is not None else {})}

@@ -33,7 +33,11 @@ from typing import Any
 import numpy as np
 
 from vllm_retrieval_spec.datastore.format import MANIFEST_FILE, SEPARATOR, load_datastore
-from vllm_retrieval_spec.datastore.suffix_array import build_suffix_array, suffix_lookup
+from vllm_retrieval_spec.datastore.suffix_array import (
+    build_suffix_array,
+    suffix_followers,
+    suffix_lookup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +161,11 @@ class ServedStore:
         return suffix_lookup(index.tokens, index.suffix_array, context, min_len=min_len,
                              max_len=max_len, max_occurrences=max_occurrences,
                              continuation_len=continuation_len)
+
+    def followers(self, last_token: int, max_samples: int) -> tuple[np.ndarray, bool]:
+        """``suffix_followers`` in the snapshot ``self.index``."""
+        index = self.index
+        return suffix_followers(index.tokens, index.suffix_array, last_token, max_samples)
 
     def close(self) -> None:
         with self._lock:

@@ -275,6 +275,35 @@ def _lookup(
     return cands, lengths, n
 
 
+@numba.njit(cache=True)
+def _followers(tokens: np.ndarray, sa: np.ndarray, last: np.ndarray,
+               max_samples: int) -> tuple[np.ndarray, bool]:
+    lo, hi, mid = _find_any(tokens, sa, last, 0, 1)
+    if mid < 0:
+        return np.empty(0, dtype=np.int32), True
+    first, end = _occurrence_range(tokens, sa, last, 0, 1, lo, hi, mid)
+    count = end - first
+    m = min(count, max(max_samples, 0))
+    out = np.empty(m, dtype=np.int32)
+    size = tokens.shape[0]
+    k = 0
+    for i in range(m):
+        pos = np.int64(sa[first + (np.int64(i) * count) // m]) + 1
+        if pos < size and tokens[pos] != SEPARATOR:
+            out[k] = tokens[pos]
+            k += 1
+    return out[:k], count <= m
+
+
+def suffix_followers(tokens: np.ndarray, sa: np.ndarray, last_token: int,
+                     max_samples: int) -> tuple[np.ndarray, bool]:
+    """The tokens after occurrences of ``last_token`` (repeats kept), from at most
+    ``max_samples`` occurrences at even strides over its suffix-array range, and whether that
+    was every occurrence. The range is sorted by the next token, so the sample keeps each
+    follower's share (as ``gather_continuations`` does)."""
+    return _followers(tokens, sa, np.full(1, last_token, dtype=np.int32), max_samples)
+
+
 class SuffixArrayDatastore:
     """REST lookups on a loaded datastore."""
 
@@ -318,6 +347,10 @@ class SuffixArrayDatastore:
         """
         return suffix_lookup(self._tokens, self._sa, context, min_len=min_len, max_len=max_len,
                              max_occurrences=max_occurrences, continuation_len=continuation_len)
+
+    def followers(self, last_token: int, max_samples: int) -> tuple[np.ndarray, bool]:
+        """``suffix_followers`` in this datastore."""
+        return suffix_followers(self._tokens, self._sa, last_token, max_samples)
 
 
 def suffix_lookup(

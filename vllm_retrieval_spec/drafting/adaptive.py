@@ -30,15 +30,25 @@ class AcceptanceTracker:
     rates: dict[str, float] = field(default_factory=dict)
 
     def cap(self, req_id: str) -> int:
-        worthwhile = max_worthwhile_len(self.rates.get(req_id, self.initial_rate),
-                                        self.draft_token_cost, self.k)
-        return min(self.k, max(worthwhile, self.min_len))
+        return self._cap(self.rates.get(req_id, self.initial_rate))
+
+    def cap_after(self, req_id: str, drafted: int, accepted: int) -> int:
+        """What ``cap`` will say after ``update(req_id, drafted, accepted)``, without it."""
+        return self._cap(self._updated_rate(req_id, drafted, accepted))
 
     def update(self, req_id: str, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
-            return
+        if drafted > 0:
+            self.rates[req_id] = self._updated_rate(req_id, drafted, accepted)
+
+    def _updated_rate(self, req_id: str, drafted: int, accepted: int) -> float:
         rate = self.rates.get(req_id, self.initial_rate)
-        self.rates[req_id] = (1 - self.smoothing) * rate + self.smoothing * accepted / drafted
+        if drafted <= 0:
+            return rate
+        return (1 - self.smoothing) * rate + self.smoothing * accepted / drafted
+
+    def _cap(self, rate: float) -> int:
+        worthwhile = max_worthwhile_len(rate, self.draft_token_cost, self.k)
+        return min(self.k, max(worthwhile, self.min_len))
 
     def forget_except(self, req_ids: set[str]) -> None:
         for req_id in self.rates.keys() - req_ids:

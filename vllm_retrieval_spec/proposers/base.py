@@ -20,6 +20,7 @@ import numpy as np
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
+from vllm_retrieval_spec.drafting.overlap import NextDrafts, precompute_plan
 from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.tree_verification import is_chain, valid_tree
 from vllm_retrieval_spec.metrics import MethodMetrics
@@ -54,6 +55,13 @@ class RetrievalProposer:
         #: Steps on which a request got no draft because drafting failed, returned garbage or
         #: overran its time budget, by kind (see ``_fail``).
         self.failures: Counter[str] = Counter()
+        self.precompute = self.config.precompute_drafts and not self.config.inject_faults
+        #: This step's (row, request id, context, draft) for ``precompute_next``.
+        self.handed: list[tuple[int, str, np.ndarray, np.ndarray]] = []
+        #: Request id -> its drafts for the next step (``precompute_next``).
+        self.next_drafts: dict[str, NextDrafts] = {}
+        #: Drafting steps served from ``next_drafts`` ("used") or not ("missed").
+        self.precomputed: Counter[str] = Counter()
 
     def load_model(self, model: Any) -> None:
         """The CPU runner hands over the target model; retrieval needs none by default."""
@@ -66,15 +74,26 @@ class RetrievalProposer:
         """``draft`` for batch row ``row``; methods with per-request state override this."""
         return self.draft(context, max_len)
 
+    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
+        """The tokens ``b`` for which drafting after ``context + [b]`` can find anything, most
+        likely first, and whether that list is complete (every other ``b`` drafts nothing); None
+        where drafts cannot be made in advance (they need the step's hidden states)."""
+        return None
+
+    def sources_state(self) -> Any:
+        """What precomputed drafts depend on besides the context (``NextDrafts.sources``)."""
+        return None
+
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
         """The plugin calls this each step before ``propose``: which request is in which row,
         and which rows may get a tree (greedy requests, where vLLM can verify trees). State of
         requests that left the batch is dropped."""
         self.row_req_ids = req_ids
         self.tree_rows = tree_rows or []
-        if len(self.last_draft_len) > len(req_ids):
+        if len(self.last_draft_len) > len(req_ids) or len(self.next_drafts) > len(req_ids):
             present = set(req_ids)
             self.last_draft_len = {r: n for r, n in self.last_draft_len.items() if r in present}
+            self.next_drafts = {r: d for r, d in self.next_drafts.items() if r in present}
             if self.acceptance is not None:
                 self.acceptance.forget_except(present)
 
@@ -86,12 +105,14 @@ class RetrievalProposer:
         slot_mappings: Any = None,
     ) -> list[list[int]]:
         self.trees = {}
+        self.handed = []
         running = sum(1 for sampled in sampled_token_ids if sampled)
         self.metrics.target_forwards.inc(running)
         self.metrics.output_tokens.inc(sum(map(len, sampled_token_ids)))
         if self.drafting_off(running):
             # Verifying drafts for a batch this large costs more than they save.
             self.last_draft_len.clear()
+            self.next_drafts.clear()
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -100,23 +121,91 @@ class RetrievalProposer:
                 drafts.append([])
                 continue
             num_tokens = int(num_tokens_no_spec[i])
-            # Leave room for the bonus token: a draft may not push past max_model_len.
-            max_len = min(self.k, self.max_model_len - num_tokens - 1)
             req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
+            cap = None
             if req_id is not None and self.acceptance is not None:
                 # The tokens sampled this step are the accepted part of last step's draft
                 # plus one the target model chose itself.
                 self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
                                        len(sampled) - 1)
-                max_len = min(max_len, self.acceptance.cap(req_id))
-            draft, tree = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
-                if max_len > 0 else ([], None)
+                cap = self.acceptance.cap(req_id)
+            context = token_ids_cpu[i, :num_tokens]
+            draft, tree = self._draft_for(i, req_id, context, self._max_len(num_tokens, cap))
             if req_id is not None:
                 self.last_draft_len[req_id] = len(draft)
                 if tree is not None:
                     self.trees[req_id] = tree
+                if self.precompute:
+                    self.handed.append((i, req_id, context, np.asarray(draft, dtype=np.int32)))
             drafts.append(draft)
         return drafts
+
+    def _max_len(self, num_tokens: int, cap: int | None) -> int:
+        # Leave room for the bonus token: a draft may not push past max_model_len.
+        max_len = min(self.k, self.max_model_len - num_tokens - 1)
+        return max_len if cap is None else min(max_len, cap)
+
+    def _draft_for(self, row: int, req_id: str | None, context: np.ndarray,
+                   max_len: int) -> tuple[list[int], TreeDraft | None]:
+        if max_len <= 0:
+            return [], None
+        ahead = self.next_drafts.pop(req_id, None) if req_id is not None else None
+        if ahead is not None:
+            made = ahead.take(context, max_len, self.sources_state(), ([], None))
+            if made is not None:
+                self.precomputed["used"] += 1
+                self.metrics.lookups.inc()
+                if not made[0]:
+                    self.metrics.empty_lookups.inc()
+                return list(made[0]), made[1]
+            self.precomputed["missed"] += 1
+        return self._safe_draft(row, context, max_len)
+
+    def precompute_next(self) -> None:
+        """Make the next step's possible drafts for the requests drafted for this step
+        (``drafting.overlap``); the plugin calls this once the drafts are handed to vLLM."""
+        handed, self.handed = self.handed, []
+        for row, req_id, context, draft in handed:
+            try:
+                ahead = self._precompute(row, req_id, context, draft)
+            except Exception:
+                self._fail("exception", "raised while precomputing drafts", exc_info=True)
+                continue
+            if ahead is not None:
+                self.next_drafts[req_id] = ahead
+
+    def _precompute(self, row: int, req_id: str, context: np.ndarray,
+                    draft: np.ndarray) -> NextDrafts | None:
+        sources = self.sources_state()
+        contexts = [np.concatenate([context, draft[:a]]) for a in range(len(draft) + 1)]
+        followers = []
+        complete = []
+        for a, extended in enumerate(contexts):
+            found = self.followers(extended)
+            if found is None:
+                return None
+            tokens, all_found = found
+            if a < len(draft):
+                # vLLM's bonus token after a rejected draft token is never that token.
+                tokens = tokens[tokens != draft[a]]
+            followers.append(tokens)
+            complete.append(all_found)
+        caps = [None] * len(contexts) if self.acceptance is None else [
+            self.acceptance.cap_after(req_id, len(draft), a) for a in range(len(contexts))]
+        ahead = NextDrafts(len(context), draft, sources,
+                           [self._max_len(len(context) + a + 1, caps[a])
+                            for a in range(len(contexts))])
+        plan = precompute_plan(followers, self.config.precompute_max_drafts)
+        for a, b in plan:
+            max_len = ahead.max_lens[a]
+            ahead.drafts[a, b] = self._checked_draft(row, np.append(contexts[a], b), max_len) \
+                if max_len > 0 else ([], None)
+        planned = Counter(a for a, _ in plan)
+        ahead.complete = [complete[a] and planned[a] == len(followers[a])
+                          for a in range(len(contexts))]
+        # A source that changed meanwhile (a new served-store snapshot) may have drafted some
+        # of these differently from the others.
+        return ahead if self.sources_state() is sources else None
 
     def drafting_off(self, running: int) -> bool:
         """No drafts this step: ``running`` requests sampled a token, as many as
@@ -124,9 +213,14 @@ class RetrievalProposer:
         limit = self.config.disable_by_batch_size
         return bool(limit) and running >= limit
 
-    def stats(self) -> dict[str, int]:
-        """Counters the ``rsd_drafting_stats`` worker RPC reports."""
-        return {f"failed_{kind}": n for kind, n in self.failures.items()}
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        """Counters the ``rsd_drafting_stats`` worker RPC reports; ``reset`` restarts those that
+        describe a stretch of steps (failures count since start)."""
+        stats = {**{f"failed_{kind}": n for kind, n in self.failures.items()},
+                 **{f"precomputed_{kind}": n for kind, n in self.precomputed.items()}}
+        if reset:
+            self.precomputed.clear()
+        return stats
 
     @property
     def num_failed_drafts(self) -> int:

@@ -159,6 +159,6 @@ class DresdProposer(RetrievalProposer):
         return dresd_draft(self.index, neighbours[j], scores[j], int(context[-1]), max_len,
                            self.config)
 
-    def stats(self) -> dict[str, int]:
-        return {**super().stats(), "search_ns": self.search_ns,
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        return {**super().stats(reset), "search_ns": self.search_ns,
                 "search_wait_ns": self.search_wait_ns}

@@ -23,6 +23,11 @@ from vllm_retrieval_spec.config import HybridConfig
 from vllm_retrieval_spec.datastore.dense import DenseIndex, dense_index_in_use
 from vllm_retrieval_spec.datastore.served import PeriodicSaver, ServedRequests, ServedStore
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+from vllm_retrieval_spec.drafting.overlap import (
+    FOLLOWER_SAMPLES,
+    context_followers,
+    rank_followers,
+)
 from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
 from vllm_retrieval_spec.proposers.dresd import (
     load_dense_index,
@@ -198,11 +203,11 @@ class HybridProposer(RestProposer):
         return super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                                slot_mappings)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self, reset: bool = False) -> dict[str, int]:
         served = {} if self.served is None else {
             "served_store_tokens": self.served.num_tokens,
             "served_store_requests": self.served.num_documents}
-        return {**super().stats(), **served}
+        return {**super().stats(reset), **served}
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         if self.dense is not None:
@@ -229,3 +234,24 @@ class HybridProposer(RestProposer):
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return hybrid_draft(self.datastore, context, max_len, self.config, served=self.served)
+
+    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
+        if self.dense is not None:
+            # Dense candidates come from the state the forward computes for b.
+            return None
+        config = self.config
+        # A source's match of 2 or more tokens ending in b means (context[-1], b) occurred in
+        # it; the tree's one-token branches need b alone, so with them nothing is complete.
+        complete = min(config.context_min_match_len, config.min_match_len) >= 2 and not (
+            config.tree == "on" and config.tree_branch_weight)
+        found = [context_followers(context)]
+        for store in (self.served, self.datastore):
+            if store is not None:
+                tokens, every = store.followers(int(context[-1]), FOLLOWER_SAMPLES)
+                found.append(tokens)
+                complete = complete and every
+        return rank_followers(*found), complete
+
+    def sources_state(self) -> object:
+        # The served store's snapshot: a new one may draft differently.
+        return None if self.served is None else self.served.index

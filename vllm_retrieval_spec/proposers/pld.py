@@ -20,6 +20,7 @@ import numba
 import numpy as np
 
 from vllm_retrieval_spec.config import PldConfig, PldPlusConfig
+from vllm_retrieval_spec.drafting.overlap import context_followers, rank_followers
 from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.hidden_states import HiddenStateCache, unit_rows
@@ -79,6 +80,10 @@ class PldProposer(RetrievalProposer):
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return pld_draft(context, max_len, self.config)
+
+    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool]:
+        # A match of 2 or more tokens ending in b means (context[-1], b) occurred earlier.
+        return rank_followers(context_followers(context)), self.config.min_match_len >= 2
 
 
 def rank_occurrences(context: np.ndarray, unit_states: np.ndarray, min_similarity: float,

@@ -8,6 +8,7 @@ import numpy as np
 
 from vllm_retrieval_spec.config import RestConfig
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
+from vllm_retrieval_spec.drafting.overlap import FOLLOWER_SAMPLES, rank_followers
 from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
@@ -42,3 +43,8 @@ class RestProposer(RetrievalProposer):
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         # lookup() itself reads only the last max_match_len tokens.
         return rest_draft(self.datastore, context, max_len, self.config)
+
+    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool]:
+        # A match of 2 or more tokens ending in b means (context[-1], b) is in the datastore.
+        tokens, every = self.datastore.followers(int(context[-1]), FOLLOWER_SAMPLES)
+        return rank_followers(tokens), every and self.config.min_match_len >= 2

@@ -1,0 +1,146 @@
+"""Precompute-then-narrow (``drafting.overlap``): a step drafted from drafts made before its
+sampled tokens were known must be exactly the step drafted after them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_proposers import VOCAB, batch, vllm_config
+from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
+from vllm_retrieval_spec.datastore.suffix_array import build_suffix_array, suffix_followers
+from vllm_retrieval_spec.drafting.overlap import (
+    NextDrafts,
+    context_followers,
+    precompute_plan,
+    rank_followers,
+)
+from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+from vllm_retrieval_spec.proposers.pld import PldProposer
+from vllm_retrieval_spec.proposers.rest import RestProposer
+
+WIDTH = 96
+# Repeats with variations, so that tokens have several followers and drafts several lengths.
+CONTEXT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8, 1, 2, 9, 4, 5, 6, 10, 2, 3, 4, 5, 11, 1, 2, 3]
+DOCUMENTS = [[1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 12, 13], [2, 3, 9, 9, 4], [5, 6, 10, 2, 3, 4, 5]]
+
+
+def test_context_followers_lists_what_followed_each_earlier_occurrence():
+    context = np.array([4, 1, 2, 4, 3, 4, 4], dtype=np.int32)
+    # Most recent first; the 4 before the last one is followed by it.
+    assert context_followers(context).tolist() == [4, 3, 1]
+    assert context_followers(np.array([7], dtype=np.int32)).tolist() == []
+
+
+def test_rank_followers_orders_by_votes_then_by_source():
+    ranked = rank_followers(np.array([5, 3, 3, 7], dtype=np.int32),
+                            np.array([9, 9, 9, 5, 1], dtype=np.int32))
+    # The context's own (3 twice, then 5 and 7 by id) before the other source's new ones.
+    assert ranked.tolist() == [3, 5, 7, 9, 1]
+
+
+def test_precompute_plan_takes_every_acceptance_in_turn_within_budget():
+    followers = [np.array([1, 2]), np.array([3]), np.array([4, 5, 6])]
+    assert precompute_plan(followers, 5) == [(2, 4), (1, 3), (0, 1), (2, 5), (0, 2)]
+    assert len(precompute_plan(followers, 100)) == 6
+    assert precompute_plan([np.empty(0)], 10) == []
+
+
+def test_suffix_followers_match_a_scan_of_the_stream():
+    tokens = np.array([1, 2, 1, 3, -1, 1, 2, 4, 1, -1, 1], dtype=np.int32)
+    sa = build_suffix_array(tokens)
+    found, every = suffix_followers(tokens, sa, 1, 100)
+    expected = [int(tokens[i + 1]) for i in range(len(tokens) - 1)
+                if tokens[i] == 1 and tokens[i + 1] >= 0]
+    assert sorted(found.tolist()) == sorted(expected) and every
+    sampled, every = suffix_followers(tokens, sa, 1, 2)
+    assert len(sampled) <= 2 and not every
+    assert suffix_followers(tokens, sa, 42, 100)[0].tolist() == []
+
+
+def test_next_drafts_refuse_what_they_were_not_made_for():
+    draft = np.array([7, 8], dtype=np.int32)
+    ahead = NextDrafts(base_len=3, draft=draft, sources="s", max_lens=[4, 4, 4],
+                       drafts={(1, 9): ([1, 2], None)}, complete=[True, False, False])
+    context = np.array([1, 2, 3, 7, 9], dtype=np.int32)
+    assert ahead.take(context, 4, "s", "none") == ([1, 2], None)
+    assert ahead.take(context, 3, "s", "none") is None  # another max_len
+    assert ahead.take(context, 4, "other", "none") is None  # the sources changed
+    # The drafted token came back as the bonus: vLLM verified a shortened draft.
+    assert ahead.take(np.array([1, 2, 3, 7, 8], dtype=np.int32), 4, "s", "none") is None
+    # Not what was drafted before b.
+    assert ahead.take(np.array([1, 2, 3, 6, 9], dtype=np.int32), 4, "s", "none") is None
+    # a = 0 is complete: any token without a precomputed draft drafts nothing.
+    assert ahead.take(np.array([1, 2, 3, 5], dtype=np.int32), 4, "s", "none") == "none"
+    assert ahead.take(np.array([1, 2, 3, 7, 5], dtype=np.int32), 4, "s", "none") is None
+
+
+@pytest.fixture(scope="module")
+def datastore(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("overlap") / "ds"
+    build_datastore_from_token_ids(DOCUMENTS, path, tokenizer_name="test",
+                                   tokenizer_fingerprint="f" * 64, vocab_size=VOCAB,
+                                   progress=False)
+    return str(path)
+
+
+def _proposer(kind: str, datastore: str, precompute: bool):
+    options = {"num_speculative_tokens": 6, "precompute_drafts": precompute,
+               "min_prefix_prob": 0.0, "min_draft_len": 1}
+    if kind == "pld":
+        return PldProposer(vllm_config({"method": "pld", **options}, WIDTH))
+    if kind == "rest":
+        return RestProposer(vllm_config({"method": "rest", "datastore": datastore, **options},
+                                        WIDTH))
+    extra = {"tree": "on", "tree_min_prob": 0.05} if kind == "hybrid/tree" else {}
+    proposer = HybridProposer(vllm_config({"method": "hybrid", "datastore": datastore,
+                                           **extra, **options}, WIDTH))
+    for i, document in enumerate(DOCUMENTS):
+        proposer.served.add(f"served-{i}", np.asarray(document[::-1], dtype=np.int32))
+    assert proposer.served.wait_indexed()
+    return proposer
+
+
+def _two_steps(proposer, first: list[int], second: list[int], sampled: list[int]):
+    """Draft after ``first`` (the step that precomputes), then after ``second``."""
+    proposer.observe_batch(["r"], [True])
+    tokens, lengths = batch(first, width=WIDTH)
+    drafted = proposer.propose([[first[-1]]], lengths, tokens)[0]
+    proposer.precompute_next()
+    proposer.observe_batch(["r"], [True])
+    tokens, lengths = batch(second, width=WIDTH)
+    return drafted, proposer.propose([sampled], lengths, tokens)[0]
+
+
+@pytest.mark.parametrize("kind", ["pld", "rest", "hybrid", "hybrid/tree"])
+def test_precomputed_drafts_equal_drafting_after_sampling(kind, datastore):
+    """For every accepted length and every bonus token, the second step's draft with
+    precomputed drafts equals a proposer's that drafts after sampling only (brute force)."""
+    reference = _proposer(kind, datastore, precompute=False)
+    draft = list(reference.propose([[CONTEXT[-1]]], *reversed(batch(CONTEXT, width=WIDTH)))[0])
+    assert draft, "the context must draft something for this test to mean anything"
+    used = missed = 0
+    for a in range(len(draft) + 1):
+        for b in range(VOCAB):
+            if a < len(draft) and b == draft[a]:
+                continue  # vLLM never returns a rejected draft token as the bonus token
+            second = CONTEXT + draft[:a] + [b]
+            reference = _proposer(kind, datastore, precompute=False)
+            proposer = _proposer(kind, datastore, precompute=True)
+            expected = _two_steps(reference, CONTEXT, second, draft[:a] + [b])
+            got = _two_steps(proposer, CONTEXT, second, draft[:a] + [b])
+            assert got == expected, (a, b)
+            assert proposer.trees.keys() == reference.trees.keys()
+            for req_id, tree in proposer.trees.items():
+                assert tree.parents.tolist() == reference.trees[req_id].parents.tolist()
+            used += proposer.precomputed["used"]
+            missed += proposer.precomputed["missed"]
+    assert used + missed == (len(draft) + 1) * VOCAB - len(draft)
+    if kind == "pld":
+        # The context is the only source, and every follower fits the budget: nothing missed.
+        assert missed == 0
+    elif kind == "hybrid/tree":
+        # One-token branches can follow any token: only the precomputed ones are served.
+        assert used < VOCAB
+    else:
+        assert used > missed

@@ -1,0 +1,117 @@
+"""Precompute-then-narrow: next step's drafts made before the tokens they follow are known.
+
+After step t's draft ``d`` goes to vLLM, step t+1's context is ``context + d[:a] + [b]`` for
+some accepted length ``a`` (0..len(d)) and some token ``b`` the target model picks itself. A
+draft can only come from an earlier occurrence of the context's suffix, so for each ``a`` the
+only ``b`` worth drafting for are the tokens that followed earlier occurrences of
+``(context + d[:a])[-1]`` in the draft's sources: with a minimum match of 2 tokens, any other
+``b`` has no match at all and drafts nothing. Those drafts are made while nothing waits for
+them (``precompute_plan`` orders them, the proposer makes them with its own ``draft`` so they
+are exactly what it would draft then); when step t+1's sampled tokens arrive, drafting is a
+lookup by ``(a, b)`` (``NextDrafts.take``).
+
+Measured on vLLM-CPU (benchmarks/results/critical-path.md): the same lookup that takes 6 us back
+to back takes 50-100 us right after a forward, which evicts the caches it needs; making the
+drafts right after the last ones, with warm caches, and only looking one up after the forward,
+takes the lookups off the critical path instead of only moving them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True)
+def context_followers(context: np.ndarray) -> np.ndarray:
+    """The token after every earlier occurrence of ``context[-1]`` in ``context`` (repeats
+    kept, most recent first)."""
+    size = context.shape[0]
+    out = np.empty(max(size - 1, 0), dtype=np.int32)
+    if size == 0:
+        return out
+    last = context[size - 1]
+    k = 0
+    for i in range(size - 2, -1, -1):
+        if context[i] == last:
+            out[k] = context[i + 1]
+            k += 1
+    return out[:k]
+
+
+#: Occurrences of a token sampled from a suffix array for its followers: enough to see every
+#: follower of all but frequent tokens, few enough to take microseconds.
+FOLLOWER_SAMPLES = 256
+
+
+def rank_followers(*followers: np.ndarray) -> np.ndarray:
+    """Distinct tokens of ``followers`` (repeats are votes): the first source's most frequent
+    first, then the next source's that are new, and so on (sources in order of relevance: the
+    request's own context before what others generated). Ties by token id, so every
+    tensor-parallel rank precomputes the same drafts."""
+    ranked = []
+    for source in followers:
+        tokens, counts = np.unique(source, return_counts=True)
+        ranked.append(tokens[np.lexsort((tokens, -counts))])
+    if not ranked:
+        return np.empty(0, dtype=np.int32)
+    merged = np.concatenate(ranked).astype(np.int32)
+    _, first = np.unique(merged, return_index=True)
+    return merged[np.sort(first)]
+
+
+def precompute_plan(followers: list[np.ndarray], budget: int) -> list[tuple[int, int]]:
+    """``(a, b)`` pairs to draft for, at most ``budget``: each accepted length's most frequent
+    follower first, then each one's second, and so on; the full acceptance (the last ``a``)
+    first within each round, as the likeliest single outcome of a good draft."""
+    order = list(range(len(followers) - 1, -1, -1))
+    plan: list[tuple[int, int]] = []
+    rank = 0
+    while len(plan) < budget and any(rank < len(followers[a]) for a in order):
+        for a in order:
+            if rank < len(followers[a]) and len(plan) < budget:
+                plan.append((a, int(followers[a][rank])))
+        rank += 1
+    return plan
+
+
+@dataclass
+class NextDrafts:
+    """A request's precomputed drafts for its next step."""
+
+    #: Tokens of the context the last draft followed.
+    base_len: int
+    #: The draft handed to vLLM.
+    draft: np.ndarray
+    #: Identity of the sources' state the drafts were made from (e.g. the served store's
+    #: snapshot): a different state could draft differently, so the drafts are not used.
+    sources: Any
+    #: ``max_len`` each accepted length ``a`` will draft with.
+    max_lens: list[int]
+    #: ``(a, b)`` -> what drafting for ``context + draft[:a] + [b]`` returned.
+    drafts: dict[tuple[int, int], Any] = field(default_factory=dict)
+    #: ``complete[a]``: every ``b`` that can draft anything after ``a`` accepted tokens is in
+    #: ``drafts``; any other drafts nothing.
+    complete: list[bool] = field(default_factory=list)
+
+    def take(self, context: np.ndarray, max_len: int, sources: Any, nothing: Any) -> Any:
+        """What drafting for ``context`` (the request's tokens now) would return, or None when
+        it was not precomputed; ``nothing`` is what an empty draft returns."""
+        a = len(context) - self.base_len - 1
+        if not 0 <= a < len(self.max_lens) or max_len != self.max_lens[a] \
+                or sources is not self.sources:
+            return None
+        b = int(context[-1])
+        if a < len(self.draft) and b == self.draft[a]:
+            # The draft's token came back as the bonus: vLLM verified a shorter draft than the
+            # one handed over (the scheduler may cut drafts), which nothing was made for.
+            return None
+        if not np.array_equal(context[self.base_len:-1], self.draft[:a]):
+            return None
+        hit = self.drafts.get((a, b))
+        if hit is not None:
+            return hit
+        return nothing if self.complete[a] else None
