@@ -172,6 +172,9 @@ def test_prometheus_series_count_lookups_and_forwards(datastore):
     tokens, lengths = batch([1, 2, 3], [42, 43], [1, 2])
     # A drafted row (3 tokens sampled), an empty lookup (1 sampled), a prefill (nothing).
     proposer.propose([[5, 6, 3], [43], []], lengths, tokens)
+    # Published once the drafts are handed over, off the critical path.
+    assert {name: value(name) for name in names} == before
+    proposer.precompute_next()
     after = {name: value(name) for name in names}
     assert {name: after[name] - before[name] for name in names} == {
         "lookups_total": 2, "empty_lookups_total": 1, "target_forwards_total": 2,

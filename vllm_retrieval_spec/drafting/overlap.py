@@ -84,12 +84,12 @@ class NextDrafts:
 
     #: Tokens of the context the last draft followed.
     base_len: int
-    #: The draft handed to vLLM.
-    draft: np.ndarray
+    #: The draft handed to vLLM (a tree's nodes, the chain first).
+    draft: list[int]
     #: Identity of the sources' state the drafts were made from (e.g. the served store's
     #: snapshot): a different state could draft differently, so the drafts are not used.
     sources: Any
-    #: ``max_len`` each accepted length ``a`` will draft with.
+    #: ``max_len`` each accepted length ``a`` drafts with (its acceptance cap included).
     max_lens: list[int]
     #: ``(a, b)`` -> what drafting for ``context + draft[:a] + [b]`` returned.
     drafts: dict[tuple[int, int], Any] = field(default_factory=dict)
@@ -97,21 +97,24 @@ class NextDrafts:
     #: ``drafts``; any other drafts nothing.
     complete: list[bool] = field(default_factory=list)
 
-    def take(self, context: np.ndarray, max_len: int, sources: Any, nothing: Any) -> Any:
-        """What drafting for ``context`` (the request's tokens now) would return, or None when
-        it was not precomputed; ``nothing`` is what an empty draft returns."""
-        a = len(context) - self.base_len - 1
-        if not 0 <= a < len(self.max_lens) or max_len != self.max_lens[a] \
+    def take(self, sampled: list[int], num_tokens: int, sources: Any, nothing: Any) -> Any:
+        """What drafting would return now that the request sampled ``sampled`` (the accepted
+        draft tokens and the bonus token) and has ``num_tokens`` tokens, or None when that was
+        not precomputed; ``nothing`` is what an empty draft returns. Each result is handed out
+        once (callers may keep it)."""
+        a = len(sampled) - 1
+        if num_tokens != self.base_len + a + 1 or a >= len(self.max_lens) \
                 or sources is not self.sources:
             return None
-        b = int(context[-1])
+        b = sampled[-1]
         if a < len(self.draft) and b == self.draft[a]:
             # The draft's token came back as the bonus: vLLM verified a shorter draft than the
             # one handed over (the scheduler may cut drafts), which nothing was made for.
             return None
-        if not np.array_equal(context[self.base_len:-1], self.draft[:a]):
+        if sampled[:a] != self.draft[:a]:
+            # A tree's accepted path that left its chain.
             return None
-        hit = self.drafts.get((a, b))
-        if hit is not None:
-            return hit
+        made = self.drafts.get((a, b))
+        if made is not None:
+            return made
         return nothing if self.complete[a] else None

@@ -62,6 +62,11 @@ class RetrievalProposer:
         self.next_drafts: dict[str, NextDrafts] = {}
         #: Drafting steps served from ``next_drafts`` ("used") or not ("missed").
         self.precomputed: Counter[str] = Counter()
+        #: (request id, accepted tokens) whose acceptance update waits for ``_apply_deferred``.
+        self._deferred: list[tuple[str, int]] = []
+        #: Counts for ``self.metrics`` not yet published.
+        self._counts = dict.fromkeys(
+            ("target_forwards", "output_tokens", "lookups", "empty_lookups"), 0)
 
     def load_model(self, model: Any) -> None:
         """The CPU runner hands over the target model; retrieval needs none by default."""
@@ -104,11 +109,14 @@ class RetrievalProposer:
         token_ids_cpu: np.ndarray,
         slot_mappings: Any = None,
     ) -> list[list[int]]:
+        # Everything here is on the critical path, right after a forward that left the caches
+        # cold (drafting.overlap): counters and acceptance updates wait for precompute_next.
+        self._apply_deferred()
         self.trees = {}
         self.handed = []
         running = sum(1 for sampled in sampled_token_ids if sampled)
-        self.metrics.target_forwards.inc(running)
-        self.metrics.output_tokens.inc(sum(map(len, sampled_token_ids)))
+        self._counts["target_forwards"] += running
+        self._counts["output_tokens"] += sum(map(len, sampled_token_ids))
         if self.drafting_off(running):
             # Verifying drafts for a batch this large costs more than they save.
             self.last_draft_len.clear()
@@ -122,21 +130,34 @@ class RetrievalProposer:
                 continue
             num_tokens = int(num_tokens_no_spec[i])
             req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
-            cap = None
-            if req_id is not None and self.acceptance is not None:
-                # The tokens sampled this step are the accepted part of last step's draft
-                # plus one the target model chose itself.
-                self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
-                                       len(sampled) - 1)
-                cap = self.acceptance.cap(req_id)
-            context = token_ids_cpu[i, :num_tokens]
-            draft, tree = self._draft_for(i, req_id, context, self._max_len(num_tokens, cap))
+            ahead = self.next_drafts.pop(req_id, None) if req_id is not None else None
+            made = None if ahead is None else ahead.take(sampled, num_tokens,
+                                                         self.sources_state(), ([], None))
+            if made is not None:
+                self.precomputed["used"] += 1
+                self._deferred.append((req_id, len(sampled) - 1))
+                draft, tree = made
+                self._counts["lookups"] += 1
+                self._counts["empty_lookups"] += not draft
+            else:
+                if ahead is not None:
+                    self.precomputed["missed"] += 1
+                cap = None
+                if req_id is not None and self.acceptance is not None:
+                    # The tokens sampled this step are the accepted part of last step's draft
+                    # plus one the target model chose itself.
+                    self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
+                                           len(sampled) - 1)
+                    cap = self.acceptance.cap(req_id)
+                max_len = self._max_len(num_tokens, cap)
+                draft, tree = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
+                    if max_len > 0 else ([], None)
             if req_id is not None:
                 self.last_draft_len[req_id] = len(draft)
                 if tree is not None:
                     self.trees[req_id] = tree
                 if self.precompute:
-                    self.handed.append((i, req_id, context, np.asarray(draft, dtype=np.int32)))
+                    self.handed.append((i, req_id, token_ids_cpu[i, :num_tokens], draft))
             drafts.append(draft)
         return drafts
 
@@ -145,25 +166,25 @@ class RetrievalProposer:
         max_len = min(self.k, self.max_model_len - num_tokens - 1)
         return max_len if cap is None else min(max_len, cap)
 
-    def _draft_for(self, row: int, req_id: str | None, context: np.ndarray,
-                   max_len: int) -> tuple[list[int], TreeDraft | None]:
-        if max_len <= 0:
-            return [], None
-        ahead = self.next_drafts.pop(req_id, None) if req_id is not None else None
-        if ahead is not None:
-            made = ahead.take(context, max_len, self.sources_state(), ([], None))
-            if made is not None:
-                self.precomputed["used"] += 1
-                self.metrics.lookups.inc()
-                if not made[0]:
-                    self.metrics.empty_lookups.inc()
-                return list(made[0]), made[1]
-            self.precomputed["missed"] += 1
-        return self._safe_draft(row, context, max_len)
+    def _apply_deferred(self) -> None:
+        """Acceptance updates of requests whose drafts were precomputed (their caps were
+        already known), and the counters, published to Prometheus."""
+        if self._deferred:
+            for req_id, accepted in self._deferred:
+                if self.acceptance is not None:
+                    self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0), accepted)
+            self._deferred.clear()
+        if any(self._counts.values()):
+            for name, count in self._counts.items():
+                if count:
+                    getattr(self.metrics, name).inc(count)
+            self._counts = dict.fromkeys(self._counts, 0)
 
     def precompute_next(self) -> None:
         """Make the next step's possible drafts for the requests drafted for this step
-        (``drafting.overlap``); the plugin calls this once the drafts are handed to vLLM."""
+        (``drafting.overlap``); the plugin calls this once the drafts are handed to vLLM, before
+        vLLM writes to the token buffer they were drafted from."""
+        self._apply_deferred()
         handed, self.handed = self.handed, []
         for row, req_id, context, draft in handed:
             try:
@@ -175,8 +196,9 @@ class RetrievalProposer:
                 self.next_drafts[req_id] = ahead
 
     def _precompute(self, row: int, req_id: str, context: np.ndarray,
-                    draft: np.ndarray) -> NextDrafts | None:
+                    drafted: list[int]) -> NextDrafts | None:
         sources = self.sources_state()
+        draft = np.asarray(drafted, dtype=np.int32)
         contexts = [np.concatenate([context, draft[:a]]) for a in range(len(draft) + 1)]
         followers = []
         complete = []
@@ -192,7 +214,7 @@ class RetrievalProposer:
             complete.append(all_found)
         caps = [None] * len(contexts) if self.acceptance is None else [
             self.acceptance.cap_after(req_id, len(draft), a) for a in range(len(contexts))]
-        ahead = NextDrafts(len(context), draft, sources,
+        ahead = NextDrafts(len(context), drafted, sources,
                            [self._max_len(len(context) + a + 1, caps[a])
                             for a in range(len(contexts))])
         plan = precompute_plan(followers, self.config.precompute_max_drafts)
@@ -216,6 +238,7 @@ class RetrievalProposer:
     def stats(self, reset: bool = False) -> dict[str, int]:
         """Counters the ``rsd_drafting_stats`` worker RPC reports; ``reset`` restarts those that
         describe a stretch of steps (failures count since start)."""
+        self._apply_deferred()
         stats = {**{f"failed_{kind}": n for kind, n in self.failures.items()},
                  **{f"precomputed_{kind}": n for kind, n in self.precomputed.items()}}
         if reset:
@@ -229,10 +252,9 @@ class RetrievalProposer:
     def _safe_draft(self, row: int, context: np.ndarray,
                     max_len: int) -> tuple[list[int], TreeDraft | None]:
         """The row's draft tokens, and the tree when they form one (not a chain)."""
-        self.metrics.lookups.inc()
+        self._counts["lookups"] += 1
         draft, tree = self._checked_draft(row, context, max_len)
-        if not draft:
-            self.metrics.empty_lookups.inc()
+        self._counts["empty_lookups"] += not draft
         return draft, tree
 
     def _checked_draft(self, row: int, context: np.ndarray,
