@@ -18,7 +18,8 @@ Otherwise:
   critical part: vLLM waits for it); before drafting, hands a drafter that wants them this
   step's auxiliary hidden states with request ids and positions (``record_hidden_states``,
   PLD+) or each request's last final hidden state (``record_last_hidden_states``, DReSD).
-- ``GPUModelRunner._copy_draft_token_ids_to_cpu``: once the drafts are handed over, our
+- ``GPUModelRunner._copy_draft_token_ids_to_cpu`` on vLLM-CPU (once the drafts are handed
+  over), ``GPUModelRunner._model_forward`` elsewhere (once the next forward is launched): our
   drafter makes the next step's possible drafts (``precompute_next``, ``drafting.overlap``).
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
 - ``Worker.shutdown``: closes the drafter first (hybrid saves its served store there).
@@ -90,6 +91,8 @@ _WRAPPED_SIGNATURES = {
         "self", "logits", "spec_decode_metadata"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._copy_draft_token_ids_to_cpu": (
         "self", "scheduler_output", "zeros_only"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward": (
+        "self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
     "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward": (
         "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
         "output_scale", "output_block_scale"),
@@ -134,8 +137,16 @@ def register() -> None:
         GPUModelRunner._get_eagle3_aux_layers_from_config)
     GPUModelRunner.propose_draft_token_ids = _timed_with_hidden_states(
         GPUModelRunner.propose_draft_token_ids)
-    GPUModelRunner._copy_draft_token_ids_to_cpu = _precomputing_after_handover(
-        GPUModelRunner._copy_draft_token_ids_to_cpu)
+    from vllm.platforms import current_platform
+
+    # Where the next step's drafts are made (drafting.overlap): on vLLM-CPU the forward runs on
+    # the same cores, so right after drafting, while the caches are warm; on an accelerator
+    # right after the next forward is launched, while the host would only wait for it.
+    if current_platform.is_cpu():
+        GPUModelRunner._copy_draft_token_ids_to_cpu = _precomputing_after(
+            GPUModelRunner._copy_draft_token_ids_to_cpu)
+    else:
+        GPUModelRunner._model_forward = _precomputing_after(GPUModelRunner._model_forward)
     Worker.rsd_drafting_stats = _drafting_stats
     Worker.shutdown = _closing_drafter_first(Worker.shutdown)
     _fix_cpu_rejection_sampler()
@@ -485,24 +496,27 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
                                          aux_hidden_states, spec_decode_metadata, *args, **kwargs)
         elapsed = time.perf_counter_ns() - start
         _drafting_timer(self).record(elapsed)
-        metrics = getattr(self.__dict__.get("drafter"), "metrics", None)
+        drafter = self.__dict__.get("drafter")
+        metrics = getattr(drafter, "metrics", None)
         if metrics is not None:
             metrics.drafting_critical_seconds.observe(elapsed / 1e9)
+            if not drafter.handed:
+                # Nothing to precompute: this step's drafting is done.
+                metrics.drafting_seconds.observe(_drafting_timer(self).last_total_ns() / 1e9)
         return drafts
 
     return wrapper
 
 
-def _precomputing_after_handover(copy_draft_token_ids: Callable) -> Callable:
-    """vLLM stores the drafts right after drafting; then, with the caches still warm from
-    drafting, our drafter makes the next step's possible drafts (``drafting.overlap``)."""
+def _precomputing_after(method: Callable) -> Callable:
+    """After ``method``, our drafter makes the next step's possible drafts."""
 
-    @functools.wraps(copy_draft_token_ids)
-    def wrapper(self, scheduler_output, zeros_only=False):
-        result = copy_draft_token_ids(self, scheduler_output, zeros_only)
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
         drafter = self.__dict__.get("drafter")
         precompute_next = getattr(drafter, "precompute_next", None)
-        if precompute_next is not None and not zeros_only:
+        if precompute_next is not None and drafter.handed:
             start = time.perf_counter_ns()
             precompute_next()
             timer = _drafting_timer(self)

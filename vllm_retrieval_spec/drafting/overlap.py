@@ -47,20 +47,38 @@ def context_followers(context: np.ndarray) -> np.ndarray:
 FOLLOWER_SAMPLES = 256
 
 
+@numba.njit(cache=True)
+def _by_votes(tokens: np.ndarray) -> np.ndarray:
+    """Distinct non-negative values of ``tokens``, most frequent first, ties by value."""
+    ordered = np.sort(tokens)
+    distinct = np.empty(ordered.shape[0], dtype=np.int64)
+    keys = np.empty(ordered.shape[0], dtype=np.int64)
+    n = 0
+    i = 0
+    while i < ordered.shape[0]:
+        j = i
+        while j < ordered.shape[0] and ordered[j] == ordered[i]:
+            j += 1
+        if ordered[i] >= 0:
+            distinct[n] = ordered[i]
+            # More votes sort first; among equal votes the smaller token (ids fit 32 bits).
+            keys[n] = -(np.int64(j - i) << 32) + ordered[i]
+            n += 1
+        i = j
+    return distinct[:n][np.argsort(keys[:n])].astype(np.int32)
+
+
 def rank_followers(*followers: np.ndarray) -> np.ndarray:
     """Distinct tokens of ``followers`` (repeats are votes): the first source's most frequent
     first, then the next source's that are new, and so on (sources in order of relevance: the
     request's own context before what others generated). Ties by token id, so every
     tensor-parallel rank precomputes the same drafts."""
-    ranked = []
-    for source in followers:
-        tokens, counts = np.unique(source, return_counts=True)
-        ranked.append(tokens[np.lexsort((tokens, -counts))])
-    if not ranked:
-        return np.empty(0, dtype=np.int32)
-    merged = np.concatenate(ranked).astype(np.int32)
-    _, first = np.unique(merged, return_index=True)
-    return merged[np.sort(first)]
+    ranked = [_by_votes(source) for source in followers]
+    if len(ranked) == 1:
+        return ranked[0]
+    seen: set[int] = set()
+    merged = [t for source in ranked for t in source.tolist() if not (t in seen or seen.add(t))]
+    return np.asarray(merged, dtype=np.int32)
 
 
 def precompute_plan(followers: list[np.ndarray], budget: int) -> list[tuple[int, int]]:

@@ -57,13 +57,17 @@ class RetrievalProposer:
         self.failures: Counter[str] = Counter()
         self.precompute = self.config.precompute_drafts and not self.config.inject_faults
         #: This step's (row, request id, context, draft) for ``precompute_next``.
-        self.handed: list[tuple[int, str, np.ndarray, np.ndarray]] = []
+        self.handed: list[tuple[int, str, np.ndarray, list[int]]] = []
         #: Request id -> its drafts for the next step (``precompute_next``).
         self.next_drafts: dict[str, NextDrafts] = {}
+        #: This step's ``next_drafts`` by batch row (``observe_batch``).
+        self.row_ahead: list[NextDrafts | None] = []
         #: Drafting steps served from ``next_drafts`` ("used") or not ("missed").
         self.precomputed: Counter[str] = Counter()
         #: (request id, accepted tokens) whose acceptance update waits for ``_apply_deferred``.
         self._deferred: list[tuple[str, int]] = []
+        #: Whether ``_deferred`` or ``_counts`` may hold something.
+        self._pending = False
         #: Counts for ``self.metrics`` not yet published.
         self._counts = dict.fromkeys(
             ("target_forwards", "output_tokens", "lookups", "empty_lookups"), 0)
@@ -95,10 +99,15 @@ class RetrievalProposer:
         requests that left the batch is dropped."""
         self.row_req_ids = req_ids
         self.tree_rows = tree_rows or []
-        if len(self.last_draft_len) > len(req_ids) or len(self.next_drafts) > len(req_ids):
+        self._apply_deferred()
+        # Each row's precomputed drafts, found before sampling (the lookup after it is then
+        # all that is left); those of requests that left the batch are dropped.
+        if self.next_drafts:
+            self.row_ahead = [self.next_drafts.get(r) for r in req_ids]
+            self.next_drafts = {}
+        if len(self.last_draft_len) > len(req_ids):
             present = set(req_ids)
             self.last_draft_len = {r: n for r, n in self.last_draft_len.items() if r in present}
-            self.next_drafts = {r: d for r, d in self.next_drafts.items() if r in present}
             if self.acceptance is not None:
                 self.acceptance.forget_except(present)
 
@@ -112,6 +121,7 @@ class RetrievalProposer:
         # Everything here is on the critical path, right after a forward that left the caches
         # cold (drafting.overlap): counters and acceptance updates wait for precompute_next.
         self._apply_deferred()
+        self._pending = True
         self.trees = {}
         self.handed = []
         running = sum(1 for sampled in sampled_token_ids if sampled)
@@ -120,7 +130,7 @@ class RetrievalProposer:
         if self.drafting_off(running):
             # Verifying drafts for a batch this large costs more than they save.
             self.last_draft_len.clear()
-            self.next_drafts.clear()
+            self.row_ahead = []
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -130,7 +140,7 @@ class RetrievalProposer:
                 continue
             num_tokens = int(num_tokens_no_spec[i])
             req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
-            ahead = self.next_drafts.pop(req_id, None) if req_id is not None else None
+            ahead = self.row_ahead[i] if i < len(self.row_ahead) else None
             made = None if ahead is None else ahead.take(sampled, num_tokens,
                                                          self.sources_state(), ([], None))
             if made is not None:
@@ -157,8 +167,11 @@ class RetrievalProposer:
                 if tree is not None:
                     self.trees[req_id] = tree
                 if self.precompute:
-                    self.handed.append((i, req_id, token_ids_cpu[i, :num_tokens], draft))
+                    # A copy: vLLM may move rows of its buffer before precompute_next runs.
+                    self.handed.append((i, req_id, token_ids_cpu[i, :num_tokens].copy(),
+                                        draft))
             drafts.append(draft)
+        self.row_ahead = []
         return drafts
 
     def _max_len(self, num_tokens: int, cap: int | None) -> int:
@@ -169,21 +182,22 @@ class RetrievalProposer:
     def _apply_deferred(self) -> None:
         """Acceptance updates of requests whose drafts were precomputed (their caps were
         already known), and the counters, published to Prometheus."""
-        if self._deferred:
-            for req_id, accepted in self._deferred:
-                if self.acceptance is not None:
-                    self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0), accepted)
-            self._deferred.clear()
-        if any(self._counts.values()):
-            for name, count in self._counts.items():
-                if count:
-                    getattr(self.metrics, name).inc(count)
-            self._counts = dict.fromkeys(self._counts, 0)
+        if not self._pending:
+            return
+        self._pending = False
+        for req_id, accepted in self._deferred:
+            if self.acceptance is not None:
+                self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0), accepted)
+        self._deferred.clear()
+        for name, count in self._counts.items():
+            if count:
+                getattr(self.metrics, name).inc(count)
+        self._counts = dict.fromkeys(self._counts, 0)
 
     def precompute_next(self) -> None:
         """Make the next step's possible drafts for the requests drafted for this step
         (``drafting.overlap``); the plugin calls this once the drafts are handed to vLLM, before
-        vLLM writes to the token buffer they were drafted from."""
+        the next ``propose``."""
         self._apply_deferred()
         handed, self.handed = self.handed, []
         for row, req_id, context, draft in handed:
