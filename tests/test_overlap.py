@@ -146,3 +146,33 @@ def test_precomputed_drafts_equal_drafting_after_sampling(kind, datastore):
         assert used < VOCAB
     else:
         assert used > missed
+
+
+@pytest.mark.parametrize("kind", ["pld", "rest", "hybrid"])
+def test_a_request_drafts_alike_with_and_without_precomputed_drafts(kind, datastore):
+    """Step after step (acceptance caps carried from one to the next), as vLLM drives it."""
+    truth = CONTEXT + [4, 5, 6, 1, 2, 3, 7, 8, 1, 2, 9, 4, 5, 6, 10, 2, 3, 4, 5, 11, 1, 2, 3,
+                       4, 5, 12, 13, 1, 2, 3, 4, 5, 6, 7, 1, 2, 9, 9, 4, 5, 6]
+    runs = []
+    for precompute in (False, True):
+        proposer = _proposer(kind, datastore, precompute)
+        drafts = []
+        position = len(CONTEXT)
+        sampled = [truth[position - 1]]
+        while position < len(truth):
+            proposer.observe_batch(["r"], [False])
+            tokens, lengths = batch(truth[:position], width=WIDTH)
+            draft = proposer.propose([sampled], lengths, tokens)[0]
+            proposer.precompute_next()
+            drafts.append(draft)
+            accepted = 0
+            while accepted < len(draft) and position + accepted < len(truth) \
+                    and draft[accepted] == truth[position + accepted]:
+                accepted += 1
+            sampled = truth[position:position + accepted + 1]
+            position += accepted + 1
+        runs.append((drafts, dict(proposer.acceptance.rates) if proposer.acceptance else None))
+        getattr(proposer, "close", lambda: None)()
+        if precompute:
+            assert proposer.precomputed["used"] > len(drafts) // 2
+    assert runs[0] == runs[1]

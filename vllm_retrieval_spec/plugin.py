@@ -92,7 +92,7 @@ _WRAPPED_SIGNATURES = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._copy_draft_token_ids_to_cpu": (
         "self", "scheduler_output", "zeros_only"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward": (
-        "self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
+        "self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
     "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward": (
         "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
         "output_scale", "output_block_scale"),

@@ -64,8 +64,9 @@ class RetrievalProposer:
         self.row_ahead: list[NextDrafts | None] = []
         #: Drafting steps served from ``next_drafts`` ("used") or not ("missed").
         self.precomputed: Counter[str] = Counter()
-        #: (request id, accepted tokens) whose acceptance update waits for ``_apply_deferred``.
-        self._deferred: list[tuple[str, int]] = []
+        #: (request id, drafted, accepted) whose acceptance update waits for
+        #: ``_apply_deferred``.
+        self._deferred: list[tuple[str, int, int]] = []
         #: Whether ``_deferred`` or ``_counts`` may hold something.
         self._pending = False
         #: Counts for ``self.metrics`` not yet published.
@@ -145,7 +146,8 @@ class RetrievalProposer:
                                                          self.sources_state(), ([], None))
             if made is not None:
                 self.precomputed["used"] += 1
-                self._deferred.append((req_id, len(sampled) - 1))
+                self._deferred.append((req_id, self.last_draft_len.get(req_id, 0),
+                                       len(sampled) - 1))
                 draft, tree = made
                 self._counts["lookups"] += 1
                 self._counts["empty_lookups"] += not draft
@@ -185,9 +187,9 @@ class RetrievalProposer:
         if not self._pending:
             return
         self._pending = False
-        for req_id, accepted in self._deferred:
-            if self.acceptance is not None:
-                self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0), accepted)
+        if self.acceptance is not None:
+            for req_id, drafted, accepted in self._deferred:
+                self.acceptance.update(req_id, drafted, accepted)
         self._deferred.clear()
         for name, count in self._counts.items():
             if count:

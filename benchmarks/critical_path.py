@@ -1,0 +1,154 @@
+"""Why drafting is several times slower inside vLLM than offline, measured, and what is left of
+it on the critical path when the next drafts are precomputed (``drafting.overlap``).
+
+The same proposer replays recorded greedy outputs step by step, as vLLM drives it (the batch
+observed before sampling, ``propose`` with the step's sampled tokens, then ``precompute_next``
+when that is on). Only ``propose`` is timed: it is what vLLM waits for. Between two steps runs
+what happens between two decoding steps in the engine, or nothing:
+
+- ``nothing``: the steps back to back, as in offline replay;
+- ``forward``: a forward of the target model on the last 64 tokens (transformers, float32: the
+  weights vLLM-CPU reads every step);
+- ``read``: a read of as many bytes as the model's weights, with no computation.
+
+    python -m vllm_retrieval_spec.benchmarks.critical_path --output-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+
+from vllm_retrieval_spec.benchmarks.report import (
+    markdown_table, module_command, results_document, write_report)
+
+RESULTS = Path(__file__).parent / "results"
+DEFAULT_RECORDS = RESULTS / "tuning" / "plain-tune-20-39.plain.jsonl"
+BETWEEN = ("nothing", "forward", "read")
+
+
+def offline_proposer(options: dict[str, Any], vocab_size: int, max_model_len: int = 4096):
+    """Our proposer for ``options`` (a speculative_config), built as vLLM's worker builds it."""
+    import importlib
+
+    from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
+
+    config = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
+    vllm_config = SimpleNamespace(
+        additional_config={PLUGIN_KEY: config.to_dict()},
+        speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
+        model_config=SimpleNamespace(max_model_len=max_model_len,
+                                     get_vocab_size=lambda: vocab_size),
+        parallel_config=SimpleNamespace(world_size=1))
+    module, name = config.proposer_class.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)(vllm_config)
+
+
+def between_steps(kind: str, model: Any) -> Callable[[np.ndarray], None]:
+    """What runs between two steps (see the module's docstring)."""
+    if kind == "nothing":
+        return lambda context: None
+    if kind == "read":
+        weights = np.ones(sum(p.numel() for p in model.parameters()), dtype=np.float32)
+        return lambda context: float(weights.sum())
+    import torch
+
+    def forward(context: np.ndarray) -> None:
+        with torch.no_grad():
+            model(torch.from_numpy(context[-64:].astype(np.int64))[None])
+
+    return forward
+
+
+def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Callable,
+                 max_steps: int) -> np.ndarray:
+    """Nanoseconds of each ``propose`` over the records' greedy steps (a request at a time;
+    finished requests leave the batch, so a served store learns from them)."""
+    times: list[int] = []
+    width = max(len(r["prompt"]) + len(r["output"]) for r in records) + 1
+    buffer = np.zeros((1, width), dtype=np.int32)
+    for n, record in enumerate(records):
+        tokens = record["prompt"] + record["output"]
+        position = len(record["prompt"]) + 1
+        sampled = [tokens[position - 1]]
+        while position < len(tokens) and len(times) < max_steps:
+            buffer[0, :position] = tokens[:position]
+            between(buffer[0, :position])
+            proposer.observe_batch([f"request-{n}"], [False])
+            start = time.perf_counter_ns()
+            drafted = proposer.propose([sampled], np.array([position], dtype=np.int32), buffer)
+            times.append(time.perf_counter_ns() - start)
+            proposer.precompute_next()
+            accepted = 0
+            for token, truth in zip(drafted[0], tokens[position:]):
+                if token != truth:
+                    break
+                accepted += 1
+            sampled = tokens[position:position + accepted + 1]
+            position += accepted + 1
+        proposer.observe_batch([], [])
+        served = getattr(proposer, "served", None)
+        if served is not None:
+            served.wait_indexed()
+    return np.asarray(times[len(times) // 10:])  # the first steps compile and warm up
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", default=str(DEFAULT_RECORDS),
+                        help="<run>.plain.jsonl written by vllm-rsd bench")
+    parser.add_argument("--task", default="code-edit")
+    parser.add_argument("--methods", default='[{"method": "pld", "num_speculative_tokens": 8}, '
+                        '{"method": "hybrid", "num_speculative_tokens": 24}]',
+                        help="JSON list of speculative_config dicts")
+    parser.add_argument("--between", default=",".join(BETWEEN))
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per row")
+    parser.add_argument("--model", help="model folder (default: the cached SmolLM2)")
+    parser.add_argument("--output-dir", help="write critical-path.json and .md there")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_retrieval_spec.assets import model_path
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(args.model or str(model_path()),
+                                                 dtype=torch.float32)
+    with open(args.records) as f:
+        records = [r for r in map(json.loads, f) if r["task"] == args.task]
+    rows = []
+    for options in json.loads(args.methods):
+        for kind in args.between.split(","):
+            for precompute in (False, True):
+                proposer = offline_proposer({**options, "precompute_drafts": precompute,
+                                             "draft_budget_ms": 0},
+                                            model.config.vocab_size)
+                us = replay_steps(proposer, records, between_steps(kind, model), args.steps) / 1e3
+                getattr(proposer, "close", lambda: None)()
+                rows.append({"method": options["method"], "between_steps": kind,
+                             "precompute_drafts": precompute, "steps": len(us),
+                             "propose_us_p50": round(float(np.percentile(us, 50)), 1),
+                             "propose_us_p90": round(float(np.percentile(us, 90)), 1),
+                             "precomputed_used": proposer.precomputed["used"],
+                             "precomputed_missed": proposer.precomputed["missed"]})
+                print(rows[-1], flush=True)
+    columns = [(key, key) for key in rows[0]]
+    print("\n".join(markdown_table(columns, rows)))
+    if args.output_dir:
+        results = results_document("critical-path", module_command(
+            "vllm_retrieval_spec.benchmarks.critical_path", argv), rows,
+            model="SmolLM2-135M-Instruct", torch_threads=1)
+        for path in write_report(results, args.output_dir, markdown_table(columns, rows)):
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
