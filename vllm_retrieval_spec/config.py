@@ -79,9 +79,12 @@ class PlatformDefaults:
 #:   summarize: 1.76 at 1, 1.79 at 2, 1.82 at 3).
 #: - min_similarity 0.7 (PLD+): at the paper's 0 a draft of k tokens goes out almost every step,
 #:   ~5% of a forward per drafted token; 0.7 was best replaying prompts 20-39 of three tasks.
+#: - precompute_drafts off: the forward uses every core here, so precomputing is not overlapped
+#:   with anything; it cut drafting's critical part to a third but made hybrid's steps 2-7%
+#:   slower on four tasks, pld's -2% to +4% (benchmarks/results/precomputed-drafts.md).
 VLLM_CPU_DEFAULTS = PlatformDefaults(
     name="vllm-cpu", draft_budget_ms=5.0, draft_token_cost=0.055, disable_by_batch_size=6,
-    min_draft_len=3, min_similarity=0.7, precompute_drafts=True)
+    min_draft_len=3, min_similarity=0.7, precompute_drafts=False)
 
 #: For GPUs, where a forward is 3-20 ms and verifying 64 tokens costs little more than one (not
 #: measured by this project: no GPU with vLLM was available; run `vllm-rsd calibrate` there):
@@ -92,6 +95,7 @@ VLLM_CPU_DEFAULTS = PlatformDefaults(
 #: - disable_by_batch_size 0: vLLM's own default for its drafters (never off).
 #: - min_draft_len 1: the CPU's penalty on 1-token drafts comes from vLLM-CPU's kernels.
 #: - min_similarity 0.0: the PLD+ paper's best threshold on an A100 (its Table 7).
+#: - precompute_drafts on: the drafts are made while the host waits for the launched forward.
 ACCELERATOR_DEFAULTS = PlatformDefaults(
     name="accelerator", draft_budget_ms=1.0, draft_token_cost=0.01, disable_by_batch_size=0,
     min_draft_len=1, min_similarity=0.0, precompute_drafts=True)
