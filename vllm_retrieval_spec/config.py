@@ -80,7 +80,7 @@ class PlatformDefaults:
 #: - min_similarity 0.7 (PLD+): at the paper's 0 a draft of k tokens goes out almost every step,
 #:   ~5% of a forward per drafted token; 0.7 was best replaying prompts 20-39 of three tasks.
 #: - precompute_drafts off: the forward uses every core here, so precomputing is not overlapped
-#:   with anything; it cut drafting's critical part to a third but made hybrid's steps 2-7%
+#:   with anything; it cut drafting's critical part by half or more but made hybrid's steps 2-7%
 #:   slower on four tasks, pld's -2% to +4% (benchmarks/results/precomputed-drafts.md).
 VLLM_CPU_DEFAULTS = PlatformDefaults(
     name="vllm-cpu", draft_budget_ms=5.0, draft_token_cost=0.055, disable_by_batch_size=6,
