@@ -74,11 +74,22 @@ def test_hybrid_needs_a_datastore_only_without_a_served_store():
     assert (config.datastore, config.served_store, config.served_prompts) == ("", "shared", True)
     with pytest.raises(ConfigError, match=r"'datastore'\] is required for method 'hybrid'"):
         parse_speculative_config({**hybrid, "served_store": "off"}, VLLM_CPU_DEFAULTS)
-    with pytest.raises(ConfigError, match=r"'served_store'\]='per_user' .*\['off', 'shared'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"'served_store'\]='per_user' .*\['off', 'shared', 'per_request'\]"):
         parse_speculative_config({**hybrid, "served_store": "per_user"}, VLLM_CPU_DEFAULTS)
-    with pytest.raises(ConfigError, match=r"'served_datastore'\] needs served_store 'shared'"):
+    with pytest.raises(ConfigError, match=r"'served_datastore'\] needs served_store 'shared': "
+                                          r"with 'off' nothing is stored"):
         parse_speculative_config({**hybrid, "datastore": "d", "served_store": "off",
                                   "served_datastore": "s"}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"with 'per_request' the stores by key are not saved"):
+        parse_speculative_config({**hybrid, "served_store": "per_request",
+                                  "served_datastore": "s"}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"'served_max_keys'\]=0 is out of range"):
+        parse_speculative_config({**hybrid, "served_store": "per_request", "served_max_keys": 0},
+                                 VLLM_CPU_DEFAULTS)
+    keyed = parse_speculative_config({**hybrid, "served_store": "per_request"},
+                                     VLLM_CPU_DEFAULTS)
+    assert (keyed.served_store, keyed.served_max_keys, keyed.datastore) == ("per_request", 64, "")
     with pytest.raises(ConfigError, match=r"'dense'\]='on' needs a 'datastore'"):
         parse_speculative_config({**hybrid, "dense": "on"}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'served_max_tokens'\]=0 is out of range"):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import generate_ids, greedy, make_llm, shutdown
+from conftest import E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown
 from test_e2e_methods import spec_counters
 from vllm_retrieval_spec.cli import main
 from vllm_retrieval_spec.datastore.format import load_datastore
@@ -61,3 +61,39 @@ def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_
     assert again == plain_outputs
     # Drafted from the loaded store from its first request on.
     assert again_accepted >= 0.75 * total
+
+
+def keyed(key: str | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=E2E_MAX_TOKENS,
+                          extra_args=None if key is None else {"served_store_key": key})
+
+
+def test_per_request_stores_learn_only_from_the_same_key(model_dir, code_prompts,
+                                                          plain_outputs):
+    """``served_store: "per_request"``: a second pass with the same key is drafted from the
+    first; a pass with another key is not; requests without a key are never stored."""
+    llm = make_llm(model_dir, {**SPEC, "served_store": "per_request"})
+
+    def one_pass(key):
+        before = spec_counters(llm)["accepted"]
+        outputs = [generate_ids(llm, [p], keyed(key))[0] for p in code_prompts]
+        return outputs, spec_counters(llm)["accepted"] - before
+
+    try:
+        first, first_accepted = one_pass("x")
+        second, second_accepted = one_pass("x")
+        other, other_accepted = one_pass("y")
+        anonymous, _ = one_pass(None)
+        stats = llm.collective_rpc("rsd_drafting_stats")[0]
+    finally:
+        shutdown(llm)
+    assert first == second == other == anonymous == plain_outputs
+    total = sum(map(len, plain_outputs))
+    assert second_accepted > first_accepted and second_accepted >= 0.75 * total
+    # "y" starts from nothing, as "x" did: it is not drafted from "x"'s outputs.
+    assert other_accepted <= first_accepted + 0.1 * total < second_accepted
+    # Two passes under "x", one under "y" (its last request left as the anonymous pass began).
+    assert stats["served_store_keys"] == 2
+    assert stats["served_store_requests"] == 3 * len(code_prompts)

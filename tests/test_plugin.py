@@ -115,3 +115,30 @@ def test_top_k_of_a_step_without_draft_tokens():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     masked = apply(logits.clone(), torch.tensor([2]), None)
     assert masked.tolist() == [[-float("inf"), 3.0, -float("inf"), 2.0]]
+
+
+def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
+    """Each row's ``extra_args["served_store_key"]`` (any value, as its str; None: no key)."""
+    seen = []
+
+    class Keyed:
+        served_keys_wanted = True
+        config = SimpleNamespace(tree="off")
+
+        def observe_batch(self, *args):
+            seen.append(args)
+
+    class Plain(Keyed):
+        served_keys_wanted = False
+
+    requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(
+                    extra_args={"served_store_key": "tenant-1"})),
+                "b": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=None)),
+                "c": SimpleNamespace(sampling_params=SimpleNamespace(
+                    extra_args={"served_store_key": 7}))}
+    for drafter in (Keyed(), Plain()):
+        runner = SimpleNamespace(drafter=drafter, requests=requests,
+                                 input_batch=SimpleNamespace(req_ids=["a", "b", "c"]))
+        plugin._observe_batch(runner)
+    assert seen == [(["a", "b", "c"], None, ["tenant-1", None, "7"]),
+                    (["a", "b", "c"], None)]

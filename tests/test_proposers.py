@@ -233,3 +233,32 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
         assert restarted.propose([[14]], lengths, tokens) == [[15, 16, 17, 18]]
     finally:
         restarted.close()
+
+
+def test_hybrid_per_request_stores_learn_only_within_a_key():
+    """``served_store: "per_request"``: "a" (key "x") generates 10..19; after it left, a request
+    with key "x" is drafted its continuation, one with key "y" or with no key is not; a request
+    without a key is not stored."""
+    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+
+    proposer = HybridProposer(vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+                                           "served_store": "per_request",
+                                           "precompute_drafts": False}))
+    try:
+        assert proposer.served_keys_wanted
+        output = list(range(10, 20))
+        tokens, lengths = batch([1, 2, *output], [3, 4, 30, 31])
+        proposer.observe_batch(["a", "anonymous"], None, ["x", None])
+        proposer.propose([[10], [30]], np.array([3, 3], dtype=np.int32), tokens)
+        proposer.propose([output[1:], [31]], lengths, tokens)
+        proposer.observe_batch(["b", "c", "d"], None, ["x", "y", None])  # "a" left: served
+        assert proposer.keyed.get("x").wait_indexed()
+        # Prompt and output of "a"; "anonymous" left too but named no store.
+        stats = proposer.stats()
+        assert (stats["served_store_tokens"], stats["served_store_requests"],
+                stats["served_store_keys"]) == (12, 1, 1)
+        tokens, lengths = batch([7, 8, 10, 11], [7, 8, 10, 11], [7, 8, 10, 11])
+        drafts = proposer.propose([[11], [11], [11]], lengths, tokens)
+        assert drafts == [[12, 13, 14, 15], [], []]
+    finally:
+        proposer.close()

@@ -11,7 +11,8 @@ import pytest
 from test_suffix_array import brute_force_match
 from vllm_retrieval_spec.datastore.format import (
     MANIFEST_FILE, DatastoreError, load_datastore, tokenizer_fingerprint)
-from vllm_retrieval_spec.datastore.served import ServedRequests, ServedStore, SuffixIndex
+from vllm_retrieval_spec.datastore.served import (
+    KeyedServedStores, ServedRequests, ServedStore, SuffixIndex)
 
 LOOKUP = {"min_len": 2, "max_len": 16, "max_occurrences": 64, "continuation_len": 4}
 
@@ -204,3 +205,49 @@ def test_long_requests_are_recorded_whole_as_they_grow():
         tracker.observe(["a"], [sequence[n - step:n].tolist()], np.array([n]), token_ids)
     tracker.finish_all()
     assert [d.tolist() for d in store.documents()] == [sequence.tolist()]
+
+
+def test_keyed_stores_are_apart_and_bounded_together():
+    stores = KeyedServedStores(max_tokens=10, max_stores=2, background=False)
+    stores.add("x", "a", [5, 6, 7, 8])
+    stores.add("y", "b", [5, 6, 9])
+    assert continuations(stores.get("x"), [5, 6]) == (2, [[7, 8]])
+    assert continuations(stores.get("y"), [5, 6]) == (2, [[9]])
+    assert stores.get("z") is None and stores.get(None) is None
+    assert (stores.num_tokens, stores.num_documents, stores.num_stores) == (7, 2, 2)
+    # 7 + 4 > 10 tokens: the least recently used key ("x", read before "y") loses its oldest.
+    stores.get("x")
+    stores.get("y")
+    stores.add("y", "c", [1, 2, 3, 4])
+    assert stores.get("x").num_documents == 0
+    assert [d.tolist() for d in stores.get("y").documents()] == [[5, 6, 9], [1, 2, 3, 4]]
+    assert continuations(stores.get("x"), [5, 6]) == (0, [])
+    # A third key: the least recently used store ("x", once "y" was read after it) goes whole.
+    stores.get("y")
+    stores.add("z", "d", [3])
+    assert stores.get("x") is None and stores.num_stores == 2
+    assert stores.num_tokens == 8
+    with pytest.raises(ValueError, match="max_stores must be at least 1"):
+        KeyedServedStores(10, 0)
+
+
+def test_requests_without_a_key_are_not_kept_for_keyed_stores():
+    stores = KeyedServedStores(max_tokens=100, max_stores=4, background=False)
+    tracker = ServedRequests(stores, include_prompts=False)
+    token_ids = np.array([[1, 2, 10], [3, 4, 20], [5, 6, 30]], dtype=np.int32)
+    tracker.observe(["a", "b", "c"], [[10], [20], [30]], np.array([3, 3, 3]), token_ids,
+                    ["x", None, "x"])
+    assert sorted(tracker.running) == ["a", "c"]
+    tracker.finish_absent([])
+    assert sorted(d.tolist() for d in stores.get("x").documents()) == [[10], [30]]
+    assert stores.num_stores == 1 and not tracker.keys
+
+
+def test_evict_oldest_drops_one_request_and_reindexes():
+    store = ServedStore(100, background=False)
+    store.add("a", [5, 6, 7])
+    store.add("b", [5, 6, 8])
+    assert store.evict_oldest() == 3
+    assert continuations(store, [5, 6]) == (2, [[8]])
+    assert store.evict_oldest() == 3 and store.evict_oldest() == 0
+    assert store.num_tokens == 0 and continuations(store, [5, 6]) == (0, [])

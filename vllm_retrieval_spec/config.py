@@ -33,7 +33,7 @@ DENSE_SEARCH_BACKENDS = ("auto", "exact", "scann")
 HYBRID_DENSE_MODES = ("auto", "on", "off")
 #: Who drafts from what the engine has served: nobody, or every request (see README's note on
 #: the timing side channel).
-SERVED_STORE_MODES = ("off", "shared")
+SERVED_STORE_MODES = ("off", "shared", "per_request")
 
 
 class ConfigError(ValueError):
@@ -318,11 +318,18 @@ class HybridConfig(RestConfig, DenseSearchConfig):
     #: High because it is divided by ``top_n`` and only neighbours that pass the filter vote.
     dense_weight: float = 32.0
     #: Learn from what this engine serves (``datastore.served``): "shared" drafts every request
-    #: from every finished request's tokens, "off" never stores any.
+    #: from every finished request's tokens; "per_request": each request names the store it is
+    #: drafted from and stored in (``SamplingParams.extra_args["served_store_key"]``, the
+    #: OpenAI server's ``vllm_xargs``), so requests learn only from requests with the same key,
+    #: and a request without one neither; "off" never stores any.
     served_store: str = "shared"
-    #: The served store keeps at most this many tokens (oldest requests evicted first); 12
-    #: bytes per token, and about 15 more while its index is rebuilt (``datastore.served``).
+    #: The served store keeps at most this many tokens (oldest requests evicted first; with
+    #: keys, all stores together); 12 bytes per token, and about 15 more while its index is
+    #: rebuilt (``datastore.served``).
     served_max_tokens: int = 1_000_000
+    #: With ``served_store: "per_request"``: at most this many keys' stores (the least recently
+    #: used goes whole).
+    served_max_keys: int = 64
     #: Store finished requests' prompts too, not only what the model generated: other
     #: requests' prompts share their templates and code (replay, prompts 20-39: code-edit 3.59
     #: against 3.44 modelled speedup, code-gen 1.90 against 1.88, chat and summarize +-1%).
@@ -360,9 +367,12 @@ class HybridConfig(RestConfig, DenseSearchConfig):
         _check_range(self, "served_save_minutes", 0.01, 1e6)
         _check_range(self, "max_spec_factor", 0.0, 64.0)
         _check_range(self, "tree_branch_weight", 0.0, 1e6)
-        if self.served_datastore and self.served_store == "off":
-            raise ConfigError("speculative_config['served_datastore'] needs served_store "
-                              "'shared': with 'off' nothing is stored to save")
+        _check_range(self, "served_max_keys", 1, 1 << 16)
+        if self.served_datastore and self.served_store != "shared":
+            raise ConfigError(
+                "speculative_config['served_datastore'] needs served_store 'shared': with "
+                f"{self.served_store!r} " + ("nothing is stored to save" if self.served_store
+                                             == "off" else "the stores by key are not saved"))
         if self.dense == "on" and not self.datastore:
             raise ConfigError("speculative_config['dense']='on' needs a 'datastore' with a "
                               "dense index")

@@ -21,10 +21,14 @@ Otherwise:
 - ``GPUModelRunner._copy_draft_token_ids_to_cpu`` on vLLM-CPU (once the drafts are handed
   over), ``GPUModelRunner._model_forward`` elsewhere (once the next forward is launched): our
   drafter makes the next step's possible drafts (``precompute_next``, ``drafting.overlap``).
+- ``GPUModelRunner._prepare_inputs`` and ``GPUModelRunner._model_forward``: right after the
+  forward, a drafter that searches hidden states (DReSD, with ``precompute_drafts``) starts
+  searching every state that may be a request's last one (``search_ahead``), before sampling.
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
 - ``Worker.shutdown``: closes the drafter first (hybrid saves its served store there).
-- ``GPUModelRunner._sample``: before sampling, tells our drafters the batch's request ids and
-  which may get trees (``observe_batch``): no sampled token is needed for that.
+- ``GPUModelRunner._sample``: before sampling, tells our drafters the batch's request ids,
+  which may get trees and, for hybrid's ``served_store: "per_request"``, each request's
+  ``served_store_key`` (``observe_batch``): no sampled token is needed for that.
 - ``GPUModelRunner._prepare_inputs``, ``GPUModelRunner._sample`` and, on CPU,
   ``CPUAttentionBackendImpl.forward``: token-tree drafts are verified (``tree_verification``):
   depth positions, tree-masked attention of the draft rows, the longest accepted root path, and
@@ -142,6 +146,8 @@ def register() -> None:
     # Where the next step's drafts are made (drafting.overlap): on vLLM-CPU the forward runs on
     # the same cores, so right after drafting, while the caches are warm; on an accelerator
     # right after the next forward is launched, while the host would only wait for it.
+    GPUModelRunner._prepare_inputs = _keeping_logits_indices(GPUModelRunner._prepare_inputs)
+    GPUModelRunner._model_forward = _searching_ahead_after(GPUModelRunner._model_forward)
     if current_platform.is_cpu():
         GPUModelRunner._copy_draft_token_ids_to_cpu = _precomputing_after(
             GPUModelRunner._copy_draft_token_ids_to_cpu)
@@ -458,10 +464,23 @@ def _drafting_timer(runner: Any) -> Any:
     return timer
 
 
+#: ``SamplingParams.extra_args`` key naming a request's served store (``served_store:
+#: "per_request"``); the OpenAI server fills extra_args from a request's ``vllm_xargs``.
+SERVED_STORE_KEY = "served_store_key"
+
+
+def served_store_key(sampling_params: Any) -> str | None:
+    """The request's served-store key (its ``str``), or None when it names none."""
+    key = (getattr(sampling_params, "extra_args", None) or {}).get(SERVED_STORE_KEY)
+    return None if key is None else str(key)
+
+
 def _observe_batch(runner: Any) -> None:
-    """Tell our drafter which request is in which row and which may get a tree: this needs no
-    sampled token, so it runs before sampling, off the drafting's critical path."""
-    observe_batch = getattr(runner.__dict__.get("drafter"), "observe_batch", None)
+    """Tell our drafter which request is in which row, which may get a tree and, when it
+    asks, which served store each is drafted from: this needs no sampled token, so it runs
+    before sampling, off the drafting's critical path."""
+    drafter = runner.__dict__.get("drafter")
+    observe_batch = getattr(drafter, "observe_batch", None)
     if observe_batch is None:
         return
     from vllm_retrieval_spec.tree_verification import tree_eligible
@@ -469,8 +488,13 @@ def _observe_batch(runner: Any) -> None:
     start = time.perf_counter_ns()
     verifier = _tree_verifier(runner)
     req_ids = list(runner.input_batch.req_ids)
-    observe_batch(req_ids, None if verifier is None else [
-        tree_eligible(runner.requests[r].sampling_params) for r in req_ids])
+    tree_rows = None if verifier is None else [
+        tree_eligible(runner.requests[r].sampling_params) for r in req_ids]
+    if getattr(drafter, "served_keys_wanted", False):
+        observe_batch(req_ids, tree_rows, [
+            served_store_key(runner.requests[r].sampling_params) for r in req_ids])
+    else:
+        observe_batch(req_ids, tree_rows)
     _drafting_timer(runner).add_before(time.perf_counter_ns() - start)
 
 
@@ -523,6 +547,47 @@ def _precomputing_after(method: Callable) -> Callable:
             timer.add_after(time.perf_counter_ns() - start)
             drafter.metrics.drafting_seconds.observe(timer.last_total_ns() / 1e9)
         return result
+
+    return wrapper
+
+
+def _keeping_logits_indices(prepare_inputs: Callable) -> Callable:
+    """Keeps the step's logits indices (the rows of the forward's hidden states that are
+    sampled) for a drafter that searches them ahead (``_searching_ahead_after``)."""
+
+    @functools.wraps(prepare_inputs)
+    def wrapper(self, scheduler_output, num_scheduled_tokens):
+        result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        if hasattr(self.__dict__.get("drafter"), "search_ahead"):
+            self._rsd_logits_indices = result[0]
+        return result
+
+    return wrapper
+
+
+def _searching_ahead_after(model_forward: Callable) -> Callable:
+    """After the forward, a drafter with ``search_ahead`` (DReSD) gets the hidden states of the
+    rows vLLM will sample: any of them may be a request's last state once the draft tokens
+    are verified, and the search of all of them need not wait for that."""
+
+    @functools.wraps(model_forward)
+    def wrapper(self, *args, **kwargs):
+        output = model_forward(self, *args, **kwargs)
+        # Popped: a dummy run's forward (no prepared inputs) must not search stale rows.
+        logits_indices = self.__dict__.pop("_rsd_logits_indices", None)
+        search_ahead = getattr(self.__dict__.get("drafter"), "search_ahead", None)
+        if search_ahead is not None and logits_indices is not None:
+            import torch
+
+            if isinstance(output, torch.Tensor):  # not a pipeline stage's intermediate tensors
+                start = time.perf_counter_ns()
+                try:
+                    search_ahead(output[logits_indices])
+                except Exception:
+                    # Searched after sampling instead: the engine goes on.
+                    self.drafter._fail("exception", "could not search ahead", exc_info=True)
+                _drafting_timer(self).add_before(time.perf_counter_ns() - start)
+        return output
 
     return wrapper
 

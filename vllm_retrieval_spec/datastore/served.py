@@ -120,11 +120,27 @@ class ServedStore:
             while self._num_tokens > self.max_tokens:
                 _, evicted = self._documents.popitem(last=False)
                 self._num_tokens -= len(evicted)
-            self._version += 1
-            # All: waiters in wait_indexed share the condition with the rebuilding thread.
-            self._wake.notify_all()
+            self._changed()
         if self._thread is None:
             self.refresh()
+
+    def evict_oldest(self) -> int:
+        """Drop the oldest stored request; returns its number of tokens (0: none was left)."""
+        with self._lock:
+            if not self._documents:
+                return 0
+            _, evicted = self._documents.popitem(last=False)
+            self._num_tokens -= len(evicted)
+            self._changed()
+        if self._thread is None:
+            self.refresh()
+        return len(evicted)
+
+    def _changed(self) -> None:
+        # Called with the lock held.
+        self._version += 1
+        # All: waiters in wait_indexed share the condition with the rebuilding thread.
+        self._wake.notify_all()
 
     def documents(self) -> list[np.ndarray]:
         """The stored requests' tokens, oldest first."""
@@ -230,28 +246,101 @@ class ServedStore:
         return int(len(tokens) - len(ends))
 
 
+class KeyedServedStores:
+    """One served store per key, for ``served_store: "per_request"``: a request is drafted from,
+    and stored in, only the store its key names, so requests learn only from requests with the
+    same key (a tenant, a user) and time nothing about the others.
+
+    Bounded together: at most ``max_tokens`` tokens in all stores (the least recently used key's
+    oldest requests go first) and at most ``max_stores`` keys (the least recently used key's
+    store goes whole). Each store rebuilds its index in its own background thread, idle between
+    rebuilds.
+    """
+
+    def __init__(self, max_tokens: int, max_stores: int, *, background: bool = True) -> None:
+        if max_stores < 1:
+            raise ValueError(f"max_stores must be at least 1, got {max_stores}")
+        self.max_tokens = max_tokens
+        self.max_stores = max_stores
+        self.background = background
+        #: Key -> its store, least recently used first.
+        self._stores: OrderedDict[str, ServedStore] = OrderedDict()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(store.num_tokens for store in self._stores.values())
+
+    @property
+    def num_documents(self) -> int:
+        return sum(store.num_documents for store in self._stores.values())
+
+    @property
+    def num_stores(self) -> int:
+        return len(self._stores)
+
+    def get(self, key: str | None) -> ServedStore | None:
+        """The store of ``key`` (None: no key, or nothing stored under it yet)."""
+        if key is None:
+            return None
+        store = self._stores.get(key)
+        if store is not None:
+            self._stores.move_to_end(key)
+        return store
+
+    def add(self, key: str, request_id: str, tokens: np.ndarray | Sequence[int]) -> None:
+        """Store a finished request's tokens under ``key``, then evict to the bounds."""
+        store = self._stores.get(key)
+        if store is None:
+            store = self._stores[key] = ServedStore(self.max_tokens, background=self.background)
+            if len(self._stores) > self.max_stores:
+                _, dropped = self._stores.popitem(last=False)
+                dropped.close()
+        self._stores.move_to_end(key)
+        store.add(request_id, tokens)
+        excess = self.num_tokens - self.max_tokens
+        for other in list(self._stores.values()):
+            while excess > 0 and other.num_tokens:
+                excess -= other.evict_oldest()
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+
+
 class ServedRequests:
     """Each running request's tokens as last seen by the drafter, handed to a ``ServedStore``
-    when the request leaves the batch.
+    (or, with keys, to its key's store in ``KeyedServedStores``) when the request leaves the
+    batch.
 
     vLLM gives a ``custom_class`` drafter no "request finished" call: a request is finished
     (or preempted; a resumed one replaces its entry) when it is no longer in the batch.
     """
 
-    def __init__(self, store: ServedStore, include_prompts: bool) -> None:
+    def __init__(self, store: ServedStore | KeyedServedStores, include_prompts: bool) -> None:
         self.store = store
         self.include_prompts = include_prompts
         #: Request id -> (prompt length, buffer, tokens in the buffer): a copy, since the
         #: batch's rows are reused once the request leaves, that grows by each step's new
         #: tokens only (a full copy per step would cost O(context) on every decoding step).
         self.running: dict[str, tuple[int, np.ndarray, int]] = {}
+        #: Request id -> its store's key (``KeyedServedStores`` only).
+        self.keys: dict[str, str] = {}
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
-                num_tokens: np.ndarray, token_ids: np.ndarray) -> None:
-        """Record this step's tokens of every row that sampled (rows are ``req_ids``' order)."""
+                num_tokens: np.ndarray, token_ids: np.ndarray,
+                keys: Sequence[str | None] | None = None) -> None:
+        """Record this step's tokens of every row that sampled (rows are ``req_ids``' order).
+        With ``KeyedServedStores``, ``keys`` names each row's store; rows without a key are
+        not recorded."""
+        keyed = isinstance(self.store, KeyedServedStores)
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled or i >= len(req_ids):
                 continue
+            if keyed:
+                key = keys[i] if keys is not None and i < len(keys) else None
+                if key is None:
+                    continue
+                self.keys[req_ids[i]] = key
             n = int(num_tokens[i])
             known = self.running.get(req_ids[i])
             if known is None or known[2] > n:
@@ -277,7 +366,11 @@ class ServedRequests:
         """Hand every tracked request that is no longer in the batch to the store."""
         for req_id in self.running.keys() - set(req_ids):
             prompt_len, buffer, length = self.running.pop(req_id)
-            self.store.add(req_id, buffer[0 if self.include_prompts else prompt_len:length])
+            tokens = buffer[0 if self.include_prompts else prompt_len:length]
+            if isinstance(self.store, KeyedServedStores):
+                self.store.add(self.keys.pop(req_id), req_id, tokens)
+            else:
+                self.store.add(req_id, tokens)
 
 
 class PeriodicSaver:

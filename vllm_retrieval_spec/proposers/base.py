@@ -56,6 +56,10 @@ class RetrievalProposer:
         #: overran its time budget, by kind (see ``_fail``).
         self.failures: Counter[str] = Counter()
         self.precompute = self.config.precompute_drafts and not self.config.inject_faults
+        #: Whether this step's contexts are kept for ``precompute_next``: not where drafts need
+        #: the hidden states of the step they are for (``followers`` is None).
+        self.drafts_ahead = self.precompute and type(self).followers is not \
+            RetrievalProposer.followers
         #: This step's (row, request id, context, draft) for ``precompute_next``.
         self.handed: list[tuple[int, str, np.ndarray, list[int]]] = []
         #: Request id -> its drafts for the next step (``precompute_next``).
@@ -84,14 +88,16 @@ class RetrievalProposer:
         """``draft`` for batch row ``row``; methods with per-request state override this."""
         return self.draft(context, max_len)
 
-    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
-        """The tokens ``b`` for which drafting after ``context + [b]`` can find anything, most
-        likely first, and whether that list is complete (every other ``b`` drafts nothing); None
-        where drafts cannot be made in advance (they need the step's hidden states)."""
+    def followers(self, row: int, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
+        """The tokens ``b`` for which drafting after ``context + [b]`` (batch row ``row``'s
+        context) can find anything, most likely first, and whether that list is complete (every
+        other ``b`` drafts nothing); None where drafts cannot be made in advance (they need the
+        step's hidden states)."""
         return None
 
-    def sources_state(self) -> Any:
-        """What precomputed drafts depend on besides the context (``NextDrafts.sources``)."""
+    def sources_state(self, row: int) -> Any:
+        """What batch row ``row``'s precomputed drafts depend on besides the context
+        (``NextDrafts.sources``)."""
         return None
 
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
@@ -143,7 +149,7 @@ class RetrievalProposer:
             req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
             ahead = self.row_ahead[i] if i < len(self.row_ahead) else None
             made = None if ahead is None else ahead.take(sampled, num_tokens,
-                                                         self.sources_state(), ([], None))
+                                                         self.sources_state(i), ([], None))
             if made is not None:
                 self.precomputed["used"] += 1
                 self._deferred.append((req_id, self.last_draft_len.get(req_id, 0),
@@ -168,7 +174,7 @@ class RetrievalProposer:
                 self.last_draft_len[req_id] = len(draft)
                 if tree is not None:
                     self.trees[req_id] = tree
-                if self.precompute:
+                if self.drafts_ahead:
                     # A copy: vLLM may move rows of its buffer before precompute_next runs.
                     self.handed.append((i, req_id, token_ids_cpu[i, :num_tokens].copy(),
                                         draft))
@@ -213,15 +219,17 @@ class RetrievalProposer:
 
     def _precompute(self, row: int, req_id: str, context: np.ndarray,
                     drafted: list[int]) -> NextDrafts | None:
-        sources = self.sources_state()
+        sources = self.sources_state(row)
         draft = np.asarray(drafted, dtype=np.int32)
-        contexts = [np.concatenate([context, draft[:a]]) for a in range(len(draft) + 1)]
+        contexts = []
         followers = []
         complete = []
-        for a, extended in enumerate(contexts):
-            found = self.followers(extended)
+        for a in range(len(draft) + 1):
+            extended = np.concatenate([context, draft[:a]])
+            found = self.followers(row, extended)
             if found is None:
                 return None
+            contexts.append(extended)
             tokens, all_found = found
             if a < len(draft):
                 # vLLM's bonus token after a rejected draft token is never that token.
@@ -243,7 +251,7 @@ class RetrievalProposer:
                           for a in range(len(contexts))]
         # A source that changed meanwhile (a new served-store snapshot) may have drafted some
         # of these differently from the others.
-        return ahead if self.sources_state() is sources else None
+        return ahead if self.sources_state(row) is sources else None
 
     def drafting_off(self, running: int) -> bool:
         """No drafts this step: ``running`` requests sampled a token, as many as

@@ -21,7 +21,12 @@ import numpy as np
 
 from vllm_retrieval_spec.config import HybridConfig
 from vllm_retrieval_spec.datastore.dense import DenseIndex, dense_index_in_use
-from vllm_retrieval_spec.datastore.served import PeriodicSaver, ServedRequests, ServedStore
+from vllm_retrieval_spec.datastore.served import (
+    KeyedServedStores,
+    PeriodicSaver,
+    ServedRequests,
+    ServedStore,
+)
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.overlap import (
     FOLLOWER_SAMPLES,
@@ -135,10 +140,17 @@ class HybridProposer(RestProposer):
     def __init__(self, vllm_config: Any) -> None:
         # RestProposer's warm-up draft reads it; the served store's own warm-up is below.
         self.served: ServedStore | None = None
+        #: With ``served_store: "per_request"``: the stores by key, and this step's store of
+        #: each batch row (``observe_batch``).
+        self.keyed: KeyedServedStores | None = None
+        self.row_keys: list[str | None] = []
+        self.row_served: list[ServedStore | None] = []
         super().__init__(vllm_config)
         self.dense = load_dense_index(self.config, vllm_config.model_config) \
             if self.config.datastore and dense_index_in_use(self.config.datastore,
                                                             self.config.dense) else None
+        # Dense candidates come from the state the forward computes for the next token.
+        self.drafts_ahead = self.drafts_ahead and self.dense is None
         #: This step's (states, rows) until the first row that needs a query projects them.
         self.last_states: tuple[Any, list[int]] | None = None
         self.queries = np.empty((0, 0), dtype=np.float32)
@@ -160,9 +172,15 @@ class HybridProposer(RestProposer):
             # would publish the new index at a different step on each rank. With several ranks
             # the index is rebuilt inside the step in which a request finishes instead.
             parallel = getattr(vllm_config, "parallel_config", None)
-            self.served = ServedStore(self.config.served_max_tokens,
-                                      background=getattr(parallel, "world_size", 1) == 1)
-            self.served_requests = ServedRequests(self.served, self.config.served_prompts)
+            background = getattr(parallel, "world_size", 1) == 1
+            if self.config.served_store == "per_request":
+                self.keyed = KeyedServedStores(self.config.served_max_tokens,
+                                               self.config.served_max_keys,
+                                               background=background)
+            else:
+                self.served = ServedStore(self.config.served_max_tokens, background=background)
+            self.served_requests = ServedRequests(self.keyed or self.served,
+                                                  self.config.served_prompts)
             if self.config.served_datastore:
                 self.saver = PeriodicSaver(self.served, self.config.served_datastore,
                                            vllm_config.model_config,
@@ -175,7 +193,9 @@ class HybridProposer(RestProposer):
             multiprocessing.util.Finalize(self, self.close, exitpriority=10)
             # Compile (or load from numba's cache) the served store's lookup now rather than in
             # the first decoding step.
-            self.draft(np.zeros(2 * self.config.max_match_len, dtype=np.int32), self.k)
+            hybrid_draft(self.datastore, np.zeros(2 * self.config.max_match_len, dtype=np.int32),
+                         self.k, self.config,
+                         served=self.served or ServedStore(1, background=False))
 
     def close(self) -> None:
         """Store the requests still tracked, save the store (if it is persisted), stop its
@@ -186,27 +206,45 @@ class HybridProposer(RestProposer):
         self.served_requests = None
         if self.saver is not None:
             self.saver.close()
-        self.served.close()
+        (self.keyed or self.served).close()
 
-    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
+    @property
+    def served_keys_wanted(self) -> bool:
+        """Whether the plugin passes each row's ``served_store_key`` to ``observe_batch``."""
+        return self.keyed is not None
+
+    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None,
+                      served_keys: list[str | None] | None = None) -> None:
         super().observe_batch(req_ids, tree_rows)
         if self.served_requests is not None:
             # Requests that left the batch are finished: what they generated is served.
             self.served_requests.finish_absent(req_ids)
+        if self.keyed is not None:
+            self.row_keys = served_keys or [None] * len(req_ids)
+            self.row_served = [self.keyed.get(key) for key in self.row_keys]
+
+    def served_store(self, row: int) -> ServedStore | None:
+        """The served store batch row ``row`` is drafted from this step."""
+        if self.keyed is None:
+            return self.served
+        return self.row_served[row] if row < len(self.row_served) else None
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         if self.served_requests is not None:
             # Every step, drafting on or off: learning must not stop with large batches.
             self.served_requests.observe(self.row_req_ids, sampled_token_ids,
-                                         num_tokens_no_spec, token_ids_cpu)
+                                         num_tokens_no_spec, token_ids_cpu, self.row_keys)
         return super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                                slot_mappings)
 
     def stats(self, reset: bool = False) -> dict[str, int]:
-        served = {} if self.served is None else {
-            "served_store_tokens": self.served.num_tokens,
-            "served_store_requests": self.served.num_documents}
+        store = self.keyed or self.served
+        served = {} if store is None else {
+            "served_store_tokens": store.num_tokens,
+            "served_store_requests": store.num_documents}
+        if self.keyed is not None:
+            served["served_store_keys"] = self.keyed.num_stores
         return {**super().stats(reset), **served}
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
@@ -230,12 +268,12 @@ class HybridProposer(RestProposer):
 
     def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return hybrid_draft(self.datastore, context, max_len, self.config, self.dense,
-                            lambda: self.query(row), self.served)
+                            lambda: self.query(row), self.served_store(row))
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return hybrid_draft(self.datastore, context, max_len, self.config, served=self.served)
 
-    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
+    def followers(self, row: int, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
         if self.dense is not None:
             # Dense candidates come from the state the forward computes for b.
             return None
@@ -245,13 +283,14 @@ class HybridProposer(RestProposer):
         complete = min(config.context_min_match_len, config.min_match_len) >= 2 and not (
             config.tree == "on" and config.tree_branch_weight)
         found = [context_followers(context)]
-        for store in (self.served, self.datastore):
+        for store in (self.served_store(row), self.datastore):
             if store is not None:
                 tokens, every = store.followers(int(context[-1]), FOLLOWER_SAMPLES)
                 found.append(tokens)
                 complete = complete and every
         return rank_followers(*found), complete
 
-    def sources_state(self) -> object:
-        # The served store's snapshot: a new one may draft differently.
-        return None if self.served is None else self.served.index
+    def sources_state(self, row: int) -> object:
+        # The row's served store's snapshot: a new one may draft differently.
+        store = self.served_store(row)
+        return None if store is None else store.index

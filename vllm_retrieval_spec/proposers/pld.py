@@ -81,7 +81,7 @@ class PldProposer(RetrievalProposer):
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return pld_draft(context, max_len, self.config)
 
-    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool]:
+    def followers(self, row: int, context: np.ndarray) -> tuple[np.ndarray, bool]:
         # A match of 2 or more tokens ending in b means (context[-1], b) occurred earlier.
         return rank_followers(context_followers(context)), self.config.min_match_len >= 2
 

@@ -44,7 +44,7 @@ class RestProposer(RetrievalProposer):
         # lookup() itself reads only the last max_match_len tokens.
         return rest_draft(self.datastore, context, max_len, self.config)
 
-    def followers(self, context: np.ndarray) -> tuple[np.ndarray, bool]:
+    def followers(self, row: int, context: np.ndarray) -> tuple[np.ndarray, bool]:
         # A match of 2 or more tokens ending in b means (context[-1], b) is in the datastore.
         tokens, every = self.datastore.followers(int(context[-1]), FOLLOWER_SAMPLES)
         return rank_followers(tokens), every and self.config.min_match_len >= 2
