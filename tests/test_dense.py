@@ -482,6 +482,46 @@ def test_dresd_proposer_drafts_each_row_from_its_own_state(clustered_store):
     assert stats["search_ns"] > 0 and stats["search_wait_ns"] > 0
 
 
+@pytest.mark.parametrize("tree", ["off", "on"])
+def test_dresd_search_ahead_drafts_what_searching_after_sampling_drafts(clustered_store,
+                                                                          monkeypatch, tree):
+    """Every candidate state searched before sampling, then each row keeps its own: the same
+    drafts as projecting and searching the last states after sampling, with nothing projected
+    or searched after sampling."""
+    path, states = clustered_store
+    options = {"min_prefix_prob": 0.0, "tree": tree, "tree_min_prob": 0.05}
+    after = dresd_proposer(path, **options, precompute_drafts=False)
+    ahead = dresd_proposer(path, **options, precompute_drafts=True)
+    tokens = after.index.tokens
+    # A step's candidate states: request 0 verified 3 draft tokens (4 rows), request 1 none.
+    candidates = torch.from_numpy(np.stack([states[7], states[100], states[8], states[9],
+                                            states[4000]]))
+    contexts = [tokens[90:102], tokens[3990:4002]]
+    token_ids = np.zeros((2, 16), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        token_ids[i, :len(c)] = c
+    rows = [1, 4]  # request 0 accepted 1 draft token: its last state is row 1
+    ahead.search_ahead(candidates)
+    calls = []
+    monkeypatch.setattr(ahead.index, "projection", lambda s: calls.append("project"))
+    ahead.record_last_hidden_states(candidates, rows)
+    drafted_ahead = ahead.propose([[5, 6], [7]], np.array([12, 12]), token_ids)
+    after.record_last_hidden_states(candidates, rows)
+    drafted_after = after.propose([[5, 6], [7]], np.array([12, 12]), token_ids)
+    assert drafted_ahead == drafted_after
+    assert drafted_ahead[0] == tokens[102:106].tolist() and drafted_ahead[1]
+    assert calls == [] and ahead.stats()["search_ns"] > 0
+    # States other than those searched ahead (here: fewer rows) are projected and searched
+    # after sampling, as without searching ahead.
+    monkeypatch.undo()
+    ahead.search_ahead(candidates[:3])
+    ahead.record_last_hidden_states(candidates, rows)
+    assert ahead.propose([[5, 6], [7]], np.array([12, 12]), token_ids) == drafted_after
+    # Off without precompute_drafts.
+    after.search_ahead(candidates)
+    assert after.ahead is None
+
+
 def test_dresd_search_over_budget_costs_the_draft(clustered_store, monkeypatch):
     path, states = clustered_store
     proposer = dresd_proposer(path, draft_budget_ms=10.0)

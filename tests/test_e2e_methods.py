@@ -23,8 +23,9 @@ def spec_llm(request, model_dir, plain_outputs):
     # drafts, so verification meets many of them in these short runs (rest's and pld's tries
     # seldom branch above the default threshold).
     tree = {"tree": "on", "tree_min_prob": 0.05} if variant else {}
-    # Chains draft from precomputed drafts where the method can (not dresd, pld_plus, or
-    # hybrid with a dense index); trees at the platform's default.
+    # Chains draft from precomputed drafts where the method can (not pld_plus, or hybrid with
+    # a dense index; dresd searches every candidate state before sampling); trees at the
+    # platform's default.
     precompute = {} if variant else {"precompute_drafts": True}
     spec = {"method": method, "num_speculative_tokens": K, **tree, **precompute}
     if method == "rest":
@@ -55,11 +56,15 @@ def test_greedy_equals_plain_one_request_at_a_time(request, spec_llm, code_promp
     after = spec_counters(spec_llm)
     assert outputs == plain_outputs
     method = request.node.callspec.params["spec_llm"]
+    stats = spec_llm.collective_rpc("rsd_drafting_stats")[0]
     if method in ("rest", "pld"):
         # Most steps were drafted before their sampled tokens were known.
-        used = spec_llm.collective_rpc("rsd_drafting_stats")[0].get("precomputed_used", 0) \
-            - stats_before.get("precomputed_used", 0)
+        used = stats.get("precomputed_used", 0) - stats_before.get("precomputed_used", 0)
         assert used > len(code_prompts) * 2
+    if method == "dresd":
+        # Every drafting step's search started before sampling.
+        assert stats["searched_ahead"] - stats_before["searched_ahead"] > len(code_prompts) * 2
+        assert stats["searched_after"] == stats_before["searched_after"]
     # The comparison means something only if the method drafted and vLLM accepted some of it,
     # and, for trees, only if some drafts were trees (not all chains).
     assert after["drafts"] > before["drafts"]

@@ -10,6 +10,7 @@ weighted by similarity, and the best-supported chain is drafted with an adaptive
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -86,6 +87,13 @@ class DresdProposer(RetrievalProposer):
     With more than one request the searches run in a thread pool while earlier rows are voted;
     ``search_ns`` (time spent searching) against ``search_wait_ns`` (time drafting waited for a
     search) says how much of the search time was hidden.
+
+    With ``precompute_drafts`` the search starts before sampling (``search_ahead``, called by
+    the plugin right after the forward): every state the forward computed that could be a
+    request's last one (the root's and each draft token's: which one depends on how many draft
+    tokens are accepted) is projected and searched in the pool while vLLM computes the logits,
+    samples and does its bookkeeping; once the sampled tokens are known each request keeps the
+    search of its own state.
     """
 
     config: DresdConfig
@@ -101,17 +109,42 @@ class DresdProposer(RetrievalProposer):
         self.row_chunk: list[tuple[int, int] | None] = []
         self.search_ns = 0
         self.search_wait_ns = 0
+        #: This step's search of every candidate state (``search_ahead``) and their number.
+        self.ahead: Future | None = None
+        self.ahead_rows = 0
+        #: Steps whose searches started before sampling ("ahead") or after it ("after").
+        self.searched: Counter[str] = Counter()
         # Compile the numba functions now rather than inside the first decoding step.
         dresd_draft(self.index, np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32), 0,
                     self.k, self.config)
 
+    def search_ahead(self, candidates: Any) -> None:
+        """Start projecting and searching ``candidates`` (the rows of the step's sampled hidden
+        states, [m, H]) in the pool, before the sampled tokens are known."""
+        if not self.precompute:
+            return
+        self.ahead = self.pool.submit(self._project_and_search, candidates)
+        self.ahead_rows = int(candidates.shape[0])
+
+    def _project_and_search(self, candidates: Any) -> tuple[np.ndarray, np.ndarray, int]:
+        return self._search(project_last_states(self.index, candidates,
+                                                list(range(candidates.shape[0])))[0])
+
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         """``states[rows[i]]`` is the final hidden state that produced batch row i's last
-        sampled token (row -1: nothing was sampled). Projects them and starts the searches:
-        one batched search inline for a single request, else a few chunks in the thread pool,
-        so that rows whose chunk is done are voted while the rest is still searched."""
+        sampled token (row -1: nothing was sampled). Takes their searches from ``search_ahead``
+        when it searched these states; else projects them and starts the searches: one batched
+        search inline for a single request, else a few chunks in the thread pool, so that rows
+        whose chunk is done are voted while the rest is still searched."""
         self.row_chunk = [None] * len(rows)
         self.chunks = []
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and self.ahead_rows == states.shape[0]:
+            # Row r of the step's states is row r of the search ahead.
+            self.chunks = [ahead]
+            self.row_chunk = [(0, row) if row >= 0 else None for row in rows]
+            self.searched["ahead"] += 1
+            return
         if self.drafting_off(sum(row >= 0 for row in rows)):
             # propose() will draft nothing: neither project nor search.
             return
@@ -123,6 +156,7 @@ class DresdProposer(RetrievalProposer):
             return
         if not valid:
             return
+        self.searched["after"] += 1
         num_chunks = 1 if len(valid) == 1 else min(len(valid), 2 * self.config.search_threads)
         bounds = np.linspace(0, len(valid), num_chunks + 1).astype(int)
         for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -161,4 +195,6 @@ class DresdProposer(RetrievalProposer):
 
     def stats(self, reset: bool = False) -> dict[str, int]:
         return {**super().stats(reset), "search_ns": self.search_ns,
-                "search_wait_ns": self.search_wait_ns}
+                "search_wait_ns": self.search_wait_ns,
+                "searched_ahead": self.searched["ahead"],
+                "searched_after": self.searched["after"]}
