@@ -28,6 +28,9 @@ setup(
         "tqdm",
         "gguf",  # reads the GGUF model file shipped on PyPI (assets.model_path)
         "scann==1.4.2",  # DReSD's approximate nearest-neighbour search (Linux x86-64 wheels)
+        # The served store's dense keys: an HNSW graph that takes inserts (built from source,
+        # about 20 s).
+        "hnswlib==0.8.0",
         "matplotlib",  # the benchmark's plot
     ],
     extras_require={"test": ["pytest"]},

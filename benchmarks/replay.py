@@ -123,16 +123,22 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
         if not isinstance(config, HybridConfig):
             return lambda record: lambda context, n: rest_draft(datastore, context, n, config)
         dense = DenseQueries.if_in_use(config, model)
-        served = ServedReplay(config) if config.served_store != "off" else None
+        served = ServedReplay(config, model, dense) if config.served_store != "off" else None
         store = served.store if served is not None else None
 
         def make_hybrid(record: dict[str, list[int]]) -> DraftFn:
-            if dense is None:
-                return lambda context, n: hybrid_draft(datastore, context, n, config,
-                                                       served=store)
-            query_of = dense.for_record(record)
-            return lambda context, n: hybrid_draft(datastore, context, n, config, dense.index,
-                                                   query_of(context), store)
+            served_dense_of = served.dense_candidates(record) if served is not None else None
+
+            def draft(context: np.ndarray, n: int) -> np.ndarray:
+                served_dense = served_dense_of(context) if served_dense_of else None
+                if dense is None:
+                    return hybrid_draft(datastore, context, n, config, served=store,
+                                        served_dense=served_dense)
+                return hybrid_draft(datastore, context, n, config, dense.index,
+                                    query_of(context), store, served_dense)
+
+            query_of = dense.for_record(record) if dense is not None else None
+            return draft
 
         return make_hybrid if served is None else served.wrap(make_hybrid)
     if isinstance(config, PldConfig):
@@ -149,12 +155,49 @@ class ServedReplay:
     """A draft factory whose method learns from served requests: the records are served in
     order, and each one's tokens enter the store once it is finished, as in the engine."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, model: str | None = None,
+                 dense: DenseQueries | None = None) -> None:
         from vllm_retrieval_spec.datastore.served import ServedStore
 
         self.config = config
         self.store = ServedStore(config.served_max_tokens, background=False)
         self.make_draft: DraftFactory | None = None
+        #: With ``served_dense``: the served tokens' final states, as the engine indexes them.
+        self.dense = None
+        if getattr(config, "served_dense", False):
+            from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore
+            from vllm_retrieval_spec.proposers.hybrid import SERVED_DENSE_DIMS
+
+            self.states = _transformers_states(_require_model(model, config))
+            hidden = self.states.model.config.hidden_size
+            self.dense = ServedDenseStore(
+                config.served_dense_max_keys,
+                dense.index.manifest.dims if dense else min(SERVED_DENSE_DIMS, hidden),
+                projection=dense.index.projection if dense else None,
+                fit_states=config.served_dense_fit_states, background=False)
+
+    def dense_candidates(self, record: dict[str, list[int]]) -> Callable | None:
+        """context -> ``hybrid_draft``'s ``served_dense`` for it (None without a dense half)."""
+        if self.dense is None:
+            return None
+        import torch
+
+        final = self.final_states(record)
+        top_n = self.config.top_n
+
+        def for_context(context: np.ndarray) -> Callable:
+            def candidates(emitted: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                # Position p's state produced token p + 1, the last of a context of p + 2.
+                query = self.dense.project(torch.from_numpy(final[len(context) - 2][None]))
+                return self.dense.candidates(None if query is None else query[0], emitted,
+                                             top_n, n)
+
+            return candidates
+
+        return for_context
+
+    def final_states(self, record: dict[str, list[int]]) -> np.ndarray:
+        return self.states(record, len(self.states.hidden_layers) - 1, unit=False)
 
     def wrap(self, make_draft: DraftFactory) -> ServedReplay:
         """``make_draft`` (which drafts from ``self.store``), told when records finish."""
@@ -167,7 +210,17 @@ class ServedReplay:
     def finished(self, record: dict[str, list[int]]) -> None:
         tokens = record["prompt"] + record["output"] if self.config.served_prompts \
             else record["output"]
-        self.store.add(str(self.store.version), tokens)
+        document = self.store.add(str(self.store.version), tokens)
+        if self.dense is not None and document is not None:
+            # As in the engine: the states that predicted each output token (the prompt's
+            # other states never reach the drafter).
+            prompt_len = len(record["prompt"])
+            positions = np.arange(prompt_len - 1, prompt_len + len(record["output"]) - 1)
+            offset = (0 if self.config.served_prompts else prompt_len) \
+                + len(tokens) - len(document)
+            kept = positions - offset >= 0
+            self.dense.add(document, self.final_states(record)[positions[kept]],
+                           positions[kept] - offset)
 
 
 class SuffixDecodingReplay:
@@ -236,11 +289,12 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
         raise ValueError("--oracle takes hybrid configs: their sources are the candidates")
     datastore = _datastore(config)
     dense = DenseQueries.if_in_use(config, model)
-    served = ServedReplay(config) if config.served_store != "off" else None
+    served = ServedReplay(config, model, dense) if config.served_store != "off" else None
 
     def make_oracle(record: dict[str, list[int]]) -> DraftFn:
         truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
         query_of = dense.for_record(record) if dense is not None else None
+        served_dense_of = served.dense_candidates(record) if served is not None else None
 
         def draft(context: np.ndarray, n: int) -> np.ndarray:
             found = []
@@ -260,6 +314,8 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
                 found.append(matching_continuations(
                     dense.index.tokens, dense.index.positions, neighbours[0], scores[0],
                     int(context[-1]), n)[:2])
+            if served_dense_of is not None:
+                found.append(served_dense_of(context)(int(context[-1]), n)[:2])
             return longest_accepted(np.concatenate([c for c, _ in found]),
                                     np.concatenate([length for _, length in found]),
                                     truth[len(context):len(context) + n])

@@ -636,9 +636,9 @@ def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store, mo
 
     projected = []
 
-    def counting_projection(index, states, rows):
+    def counting_projection(projection, states, rows):
         projected.append(rows)
-        return project_last_states(index, states, rows)
+        return project_last_states(projection, states, rows)
 
     project_last_states = hybrid.project_last_states
     monkeypatch.setattr(hybrid, "project_last_states", counting_projection)

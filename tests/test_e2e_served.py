@@ -97,3 +97,25 @@ def test_per_request_stores_learn_only_from_the_same_key(model_dir, code_prompts
     # Two passes under "x", one under "y" (its last request left as the anonymous pass began).
     assert stats["served_store_keys"] == 2
     assert stats["served_store_requests"] == 3 * len(code_prompts)
+
+
+def test_served_dense_store_indexes_generated_states_and_stays_lossless(model_dir, code_prompts,
+                                                                         plain_outputs):
+    """``served_dense``: the final hidden states of generated tokens become keys as requests
+    finish (projection fitted on the first 64), drafts come from them, one request at a time
+    and 4 at once, and greedy outputs stay plain decoding's."""
+    from conftest import generate_ids as generate
+
+    llm = make_llm(model_dir, {**SPEC, "served_dense": True, "served_dense_fit_states": 64})
+    try:
+        first, _ = accepted_per_pass(llm, code_prompts)
+        batched = generate(llm, code_prompts[:4], greedy())
+        time.sleep(2)  # the last finished requests are indexed in the background
+        stats = llm.collective_rpc("rsd_drafting_stats")[0]
+    finally:
+        shutdown(llm)
+    assert first == plain_outputs and batched == plain_outputs[:4]
+    # Every generated token's state of every finished request (all but the batch's last
+    # requests, still tracked) is a key: at least one per output token of the first pass.
+    assert stats["served_dense_keys"] >= sum(map(len, plain_outputs)) - E2E_MAX_TOKENS
+    assert stats["served_dense_hits"] > 0

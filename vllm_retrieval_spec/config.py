@@ -341,6 +341,22 @@ class HybridConfig(RestConfig, DenseSearchConfig):
     #: ``served_save_minutes`` and at shutdown) and loaded from at start-up; "" = memory only.
     served_datastore: str = ""
     served_save_minutes: float = 10.0
+    #: Index the served tokens' final hidden states too (``datastore.served_dense``): DReSD
+    #: neighbours among what this engine generated, projected as the datastore's dense index
+    #: is, or by a projection fitted on the first ``served_dense_fit_states`` served states
+    #: when there is none. Searched, like the datastore, only when the context match is shorter
+    #: than ``skip_datastore_match_len``; ``top_n`` neighbours, filtered by the token just
+    #: emitted, share ``served_dense_weight`` x similarity / ``top_n``. Needs served_store
+    #: "shared". Off by default: in replay (prompts 20-39) it raised hybrid's modelled speedup
+    #: by 0.4-2.3% on four tasks (benchmarks/results/tuning/served-dense-tuning.md).
+    served_dense: bool = False
+    #: 8 beat 32 and 128 in that replay (code-edit 3.29 against 3.21 and 3.19; the others
+    #: within 1%).
+    served_dense_weight: float = 8.0
+    #: Keys kept (the oldest overwritten first): about 480 bytes each (``datastore.served_dense``).
+    served_dense_max_keys: int = 200_000
+    #: 256 beat 1024 in replay (served-dense-tuning.md): the projection is ready sooner.
+    served_dense_fit_states: int = 256
     #: Drafts are at most this many times as long as the longest exact match behind them
     #: (0 = no such cap): an n-token match predicts about n tokens. With this cap, drafts as
     #: long as 24 tokens pay, and the acceptance-based cap only costs tokens, so it is off by
@@ -368,6 +384,14 @@ class HybridConfig(RestConfig, DenseSearchConfig):
         _check_range(self, "max_spec_factor", 0.0, 64.0)
         _check_range(self, "tree_branch_weight", 0.0, 1e6)
         _check_range(self, "served_max_keys", 1, 1 << 16)
+        _check_range(self, "served_dense_max_keys", 1, 1 << 28)
+        _check_range(self, "served_dense_weight", 0.0, 1e6)
+        # At least the projection's width (64 dims) to fit it.
+        _check_range(self, "served_dense_fit_states", 64, 1 << 24)
+        if self.served_dense and self.served_store != "shared":
+            raise ConfigError(
+                "speculative_config['served_dense'] needs served_store 'shared', got "
+                f"{self.served_store!r}")
         if self.served_datastore and self.served_store != "shared":
             raise ConfigError(
                 "speculative_config['served_datastore'] needs served_store 'shared': with "

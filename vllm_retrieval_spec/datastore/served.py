@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from vllm_retrieval_spec.datastore.format import MANIFEST_FILE, SEPARATOR, load_datastore
+from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore
 from vllm_retrieval_spec.datastore.suffix_array import (
     build_suffix_array,
     suffix_followers,
@@ -104,13 +105,14 @@ class ServedStore:
         """Changes with every add (savers compare it)."""
         return self._version
 
-    def add(self, key: str, tokens: np.ndarray | Sequence[int]) -> None:
+    def add(self, key: str, tokens: np.ndarray | Sequence[int]) -> np.ndarray | None:
         """Store a finished request's tokens under ``key``, replacing an earlier entry with that
         key (a request vLLM preempted and resumed); evict the oldest requests while the store
-        holds more than ``max_tokens``. A request longer than the whole store keeps its end."""
+        holds more than ``max_tokens``. A request longer than the whole store keeps its end.
+        Returns the stored array (the dense store's keys point into it), None if empty."""
         document = np.array(np.asarray(tokens)[-self.max_tokens:], dtype=np.int32)
         if not len(document):
-            return
+            return None
         with self._lock:
             old = self._documents.pop(key, None)
             if old is not None:
@@ -123,6 +125,7 @@ class ServedStore:
             self._changed()
         if self._thread is None:
             self.refresh()
+        return document
 
     def evict_oldest(self) -> int:
         """Drop the oldest stored request; returns its number of tokens (0: none was left)."""
@@ -316,46 +319,59 @@ class ServedRequests:
     (or preempted; a resumed one replaces its entry) when it is no longer in the batch.
     """
 
-    def __init__(self, store: ServedStore | KeyedServedStores, include_prompts: bool) -> None:
+    def __init__(self, store: ServedStore | KeyedServedStores, include_prompts: bool,
+                 dense: ServedDenseStore | None = None) -> None:
         self.store = store
         self.include_prompts = include_prompts
+        #: The dense half, fed with each finished request's final hidden states.
+        self.dense = dense
         #: Request id -> (prompt length, buffer, tokens in the buffer): a copy, since the
         #: batch's rows are reused once the request leaves, that grows by each step's new
         #: tokens only (a full copy per step would cost O(context) on every decoding step).
         self.running: dict[str, tuple[int, np.ndarray, int]] = {}
         #: Request id -> its store's key (``KeyedServedStores`` only).
         self.keys: dict[str, str] = {}
+        #: Request id -> its steps' (final hidden states [m, H], their positions), for ``dense``.
+        self.states: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
                 num_tokens: np.ndarray, token_ids: np.ndarray,
-                keys: Sequence[str | None] | None = None) -> None:
+                keys: Sequence[str | None] | None = None,
+                states: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None) -> None:
         """Record this step's tokens of every row that sampled (rows are ``req_ids``' order).
         With ``KeyedServedStores``, ``keys`` names each row's store; rows without a key are
-        not recorded."""
+        not recorded. ``states[i]``: row i's final hidden states of this step and the context
+        positions they are at (for the dense store)."""
         keyed = isinstance(self.store, KeyedServedStores)
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled or i >= len(req_ids):
                 continue
+            req_id = req_ids[i]
             if keyed:
                 key = keys[i] if keys is not None and i < len(keys) else None
                 if key is None:
                     continue
-                self.keys[req_ids[i]] = key
+                self.keys[req_id] = key
             n = int(num_tokens[i])
-            known = self.running.get(req_ids[i])
+            known = self.running.get(req_id)
             if known is None or known[2] > n:
                 # The first step that samples is the prefill's: everything before its tokens
                 # is the prompt.
                 prompt_len = n - len(sampled) if known is None else known[0]
                 buffer = np.empty(max(2 * n, 64), dtype=np.int32)
                 buffer[:n] = token_ids[i, :n]
+                # Resumed after preemption: its context is recomputed, its states start over.
+                self.states.pop(req_id, None)
             else:
                 prompt_len, buffer, length = known
                 if n > len(buffer):
                     buffer = np.concatenate([buffer[:length],
                                              np.empty(max(n, len(buffer)), dtype=np.int32)])
                 buffer[length:n] = token_ids[i, length:n]
-            self.running[req_ids[i]] = (prompt_len, buffer, n)
+            self.running[req_id] = (prompt_len, buffer, n)
+            if self.dense is not None and states is not None and i < len(states) \
+                    and states[i] is not None:
+                self.states.setdefault(req_id, []).append(states[i])
 
     def finish_all(self) -> None:
         """Hand every tracked request to the store (the engine is shutting down: the last
@@ -366,11 +382,20 @@ class ServedRequests:
         """Hand every tracked request that is no longer in the batch to the store."""
         for req_id in self.running.keys() - set(req_ids):
             prompt_len, buffer, length = self.running.pop(req_id)
-            tokens = buffer[0 if self.include_prompts else prompt_len:length]
+            start = 0 if self.include_prompts else prompt_len
+            tokens = buffer[start:length]
+            steps = self.states.pop(req_id, None)
             if isinstance(self.store, KeyedServedStores):
                 self.store.add(self.keys.pop(req_id), req_id, tokens)
-            else:
-                self.store.add(req_id, tokens)
+                continue
+            document = self.store.add(req_id, tokens)
+            if document is not None and steps:
+                # Positions in the stored document: it may have kept only the end of tokens.
+                offset = start + len(tokens) - len(document)
+                positions = np.concatenate([p for _, p in steps]) - offset
+                kept = positions >= 0
+                self.dense.add(document, np.concatenate([s for s, _ in steps])[kept],
+                               positions[kept])
 
 
 class PeriodicSaver:

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 
 from vllm_retrieval_spec.config import DresdConfig, HybridConfig
-from vllm_retrieval_spec.datastore.dense import DenseIndex
+from vllm_retrieval_spec.datastore.dense import DenseIndex, Projection
 from vllm_retrieval_spec.datastore.format import SEPARATOR
 from vllm_retrieval_spec.datastore.suffix_array import copy_continuation
 from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
@@ -69,15 +69,15 @@ def dresd_draft(index: DenseIndex, neighbours: np.ndarray, scores: np.ndarray, e
     return select_draft(cands, lengths, weights, max_len, config)
 
 
-def project_last_states(index: DenseIndex, states: Any,
+def project_last_states(projection: Projection, states: Any,
                         rows: list[int]) -> tuple[np.ndarray, list[int]]:
     """Queries for the batch rows that sampled a token: ``states[rows[i]]`` produced row i's
     last token (row -1: nothing sampled). Returns (unit queries float32 [m, d], the m batch
     rows they belong to)."""
     valid = [i for i, row in enumerate(rows) if row >= 0]
     if not valid:
-        return np.empty((0, index.manifest.dims), dtype=np.float32), valid
-    return index.projection(states[[rows[i] for i in valid]]), valid
+        return np.empty((0, projection.components.shape[1]), dtype=np.float32), valid
+    return projection(states[[rows[i] for i in valid]]), valid
 
 
 class DresdProposer(RetrievalProposer):
@@ -127,7 +127,7 @@ class DresdProposer(RetrievalProposer):
         self.ahead_rows = int(candidates.shape[0])
 
     def _project_and_search(self, candidates: Any) -> tuple[np.ndarray, np.ndarray, int]:
-        return self._search(project_last_states(self.index, candidates,
+        return self._search(project_last_states(self.index.projection, candidates,
                                                 list(range(candidates.shape[0])))[0])
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
@@ -149,7 +149,7 @@ class DresdProposer(RetrievalProposer):
             # propose() will draft nothing: neither project nor search.
             return
         try:
-            queries, valid = project_last_states(self.index, states, rows)
+            queries, valid = project_last_states(self.index.projection, states, rows)
         except Exception:
             # No query, no draft: the engine goes on.
             self._fail("exception", "could not project hidden states", exc_info=True)

@@ -27,6 +27,7 @@ from vllm_retrieval_spec.datastore.served import (
     ServedRequests,
     ServedStore,
 )
+from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepted_state_rows
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.overlap import (
     FOLLOWER_SAMPLES,
@@ -43,6 +44,10 @@ from vllm_retrieval_spec.proposers.pld import find_context_matches
 from vllm_retrieval_spec.proposers.rest import RestProposer
 
 
+#: DReSD's projection width (the paper's 64), for a served dense store without a dense index.
+SERVED_DENSE_DIMS = 64
+
+
 def source_weights(num_candidates: int, match_len: int, weight_per_token: float,
                    shared: bool) -> np.ndarray:
     """Each candidate's vote: ``weight_per_token`` x match length, split among the candidates
@@ -56,12 +61,16 @@ def source_weights(num_candidates: int, match_len: int, weight_per_token: float,
 def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, max_len: int,
                  config: HybridConfig, dense: DenseIndex | None = None,
                  query: np.ndarray | Callable[[], np.ndarray | None] | None = None,
-                 served: ServedStore | None = None) -> np.ndarray | TreeDraft:
+                 served: ServedStore | None = None,
+                 served_dense: Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+                 | None = None) -> np.ndarray | TreeDraft:
     """The best chain of every source's candidates.
 
     ``query`` is the projected final hidden state that produced ``context[-1]``, or a function
     returning it (or None), called only when the dense index is searched: only when ``dense``
-    is given and the context match is short. ``served`` is what the engine has already served.
+    is given and the context match is short. ``served`` is what the engine has already served;
+    ``served_dense(emitted, max_len)`` gives the candidates of its dense half (as
+    ``ServedDenseStore.candidates``), asked only when the context match is short.
     """
     context_cands, context_lengths, context_n = find_context_matches(
         context, config.context_min_match_len, config.context_max_match_len,
@@ -117,6 +126,13 @@ def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, ma
             # next-token filter is itself evidence that the state is a familiar one.
             weights.append(config.dense_weight * similarity / config.top_n)
             searched_dense = True
+    if served_dense is not None and context_n < config.skip_datastore_match_len:
+        # Unlike the static index's, these neighbours keep the match-length cap below: without
+        # it drafts doubled in length and modelled speedup fell on every task (replay).
+        dense_cands, dense_lengths, similarity = served_dense(int(context[-1]), max_len)
+        candidates.append(dense_cands)
+        lengths.append(dense_lengths)
+        weights.append(config.served_dense_weight * similarity / config.top_n)
     max_depth = max_len
     if config.max_spec_factor and not searched_dense:
         # A draft is no longer than the evidence behind it: an n-token match predicts about n
@@ -149,10 +165,15 @@ class HybridProposer(RestProposer):
         self.dense = load_dense_index(self.config, vllm_config.model_config) \
             if self.config.datastore and dense_index_in_use(self.config.datastore,
                                                             self.config.dense) else None
+        #: The served tokens' final hidden states (``served_dense``), fed by ``served_requests``.
+        self.served_dense: ServedDenseStore | None = None
         # Dense candidates come from the state the forward computes for the next token.
-        self.drafts_ahead = self.drafts_ahead and self.dense is None
+        self.drafts_ahead = self.drafts_ahead and self.dense is None \
+            and not self.config.served_dense
         #: This step's (states, rows) until the first row that needs a query projects them.
         self.last_states: tuple[Any, list[int]] | None = None
+        #: This step's (states, rows), kept for ``served_dense`` after the queries are made.
+        self.step_states: tuple[Any, list[int]] | None = None
         self.queries = np.empty((0, 0), dtype=np.float32)
         #: Batch row -> its query's index in ``queries`` (this step's rows that sampled).
         self.row_query: dict[int, int] = {}
@@ -161,7 +182,7 @@ class HybridProposer(RestProposer):
 
             # Compile the dense path and ready the projection now rather than inside the first
             # decoding step (a query is projected within a row's drafting budget).
-            project_last_states(self.dense,
+            project_last_states(self.dense.projection,
                                 torch.zeros(1, vllm_config.model_config.get_hidden_size()), [0])
             hybrid_draft(self.datastore, np.arange(4, dtype=np.int32), self.k, self.config,
                          self.dense, np.zeros(self.dense.manifest.dims, dtype=np.float32))
@@ -179,8 +200,16 @@ class HybridProposer(RestProposer):
                                                background=background)
             else:
                 self.served = ServedStore(self.config.served_max_tokens, background=background)
+            if self.config.served_dense:
+                # With a dense index, its projection: one query searches both.
+                self.served_dense = ServedDenseStore(
+                    self.config.served_dense_max_keys,
+                    self.dense.manifest.dims if self.dense is not None else
+                    min(SERVED_DENSE_DIMS, vllm_config.model_config.get_hidden_size()),
+                    projection=self.dense.projection if self.dense is not None else None,
+                    fit_states=self.config.served_dense_fit_states, background=background)
             self.served_requests = ServedRequests(self.keyed or self.served,
-                                                  self.config.served_prompts)
+                                                  self.config.served_prompts, self.served_dense)
             if self.config.served_datastore:
                 self.saver = PeriodicSaver(self.served, self.config.served_datastore,
                                            vllm_config.model_config,
@@ -207,6 +236,8 @@ class HybridProposer(RestProposer):
         if self.saver is not None:
             self.saver.close()
         (self.keyed or self.served).close()
+        if self.served_dense is not None:
+            self.served_dense.close()
 
     @property
     def served_keys_wanted(self) -> bool:
@@ -233,8 +264,9 @@ class HybridProposer(RestProposer):
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         if self.served_requests is not None:
             # Every step, drafting on or off: learning must not stop with large batches.
-            self.served_requests.observe(self.row_req_ids, sampled_token_ids,
-                                         num_tokens_no_spec, token_ids_cpu, self.row_keys)
+            self.served_requests.observe(
+                self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                self.row_keys, self.accepted_states(sampled_token_ids, num_tokens_no_spec))
         return super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                                slot_mappings)
 
@@ -245,21 +277,60 @@ class HybridProposer(RestProposer):
             "served_store_requests": store.num_documents}
         if self.keyed is not None:
             served["served_store_keys"] = self.keyed.num_stores
+        if self.served_dense is not None:
+            served["served_dense_keys"] = self.served_dense.num_keys
+            served["served_dense_busy"] = self.served_dense.busy
+            served["served_dense_hits"] = self.served_dense.hits
         return {**super().stats(reset), **served}
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
-        if self.dense is not None:
-            self.last_states = (states, rows)
+        if self.dense is not None or self.served_dense is not None:
+            self.last_states = self.step_states = (states, rows)
             self.row_query = {}
 
+    def accepted_states(self, sampled_token_ids: list[list[int]],
+                        num_tokens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray] | None] | None:
+        """For ``served_dense``: each row's final hidden states of this step's sampled tokens
+        (float32 [m, H]) and the context positions they are at (the state at p predicted
+        p + 1). A tree's accepted path is not contiguous in the step's states: only its last
+        state is kept."""
+        if self.served_dense is None or self.step_states is None:
+            return None
+        states, rows = self.step_states
+        self.step_states = None
+        num_sampled = [len(s) for s in sampled_token_ids]
+        req_ids = self.row_req_ids
+        spans = accepted_state_rows(rows, num_sampled, [
+            i >= len(req_ids) or req_ids[i] not in self.trees for i in range(len(rows))])
+        gather = [r for first, last in spans if first >= 0 for r in range(first, last + 1)]
+        if not gather:
+            return None
+        # One copy of the rows kept: vLLM reuses the states' buffer next step.
+        gathered = states[gather].float().cpu().numpy()
+        out: list[tuple[np.ndarray, np.ndarray] | None] = []
+        offset = 0
+        for i, (first, last) in enumerate(spans):
+            if first < 0:
+                out.append(None)
+                continue
+            m = last - first + 1
+            end = int(num_tokens[i]) - 1  # the state at end - 1 predicted the last token
+            out.append((gathered[offset:offset + m], np.arange(end - m, end, dtype=np.int64)))
+            offset += m
+        return out
+
     def query(self, row: int) -> np.ndarray | None:
-        """Row's projected state; the first call of a step projects every sampled row at once."""
+        """Row's projected state; the first call of a step projects every sampled row at once
+        (with the dense index's projection, else the served dense store's once fitted)."""
         if self.last_states is not None:
             states, rows = self.last_states
             self.last_states = None
+            projection = self.dense.projection if self.dense is not None \
+                else self.served_dense.projection
             try:
-                self.queries, valid = project_last_states(self.dense, states, rows)
-                self.row_query = {r: q for q, r in enumerate(valid)}
+                if projection is not None:  # the served dense store's, before it is fitted
+                    self.queries, valid = project_last_states(projection, states, rows)
+                    self.row_query = {r: q for q, r in enumerate(valid)}
             except Exception:
                 # No query, no dense candidates: the other sources still draft.
                 self._fail("exception", "could not project hidden states", exc_info=True)
@@ -267,14 +338,17 @@ class HybridProposer(RestProposer):
         return None if q is None else self.queries[q]
 
     def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
+        served_dense = None if self.served_dense is None else (
+            lambda emitted, n: self.served_dense.candidates(self.query(row), emitted,
+                                                            self.config.top_n, n))
         return hybrid_draft(self.datastore, context, max_len, self.config, self.dense,
-                            lambda: self.query(row), self.served_store(row))
+                            lambda: self.query(row), self.served_store(row), served_dense)
 
     def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
         return hybrid_draft(self.datastore, context, max_len, self.config, served=self.served)
 
     def followers(self, row: int, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
-        if self.dense is not None:
+        if self.dense is not None or self.served_dense is not None:
             # Dense candidates come from the state the forward computes for b.
             return None
         config = self.config

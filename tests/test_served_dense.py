@@ -1,0 +1,205 @@
+"""The served store's dense half: keys of served tokens' hidden states, searched while it grows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_proposers import batch, vllm_config
+from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, ConfigError, parse_speculative_config
+from vllm_retrieval_spec.datastore.dense import Projection
+from vllm_retrieval_spec.datastore.served import ServedRequests, ServedStore
+from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepted_state_rows
+
+DIMS = 8
+
+
+def identity_projection(hidden: int = DIMS) -> Projection:
+    """States already unit rows in DIMS dimensions: keys equal states (easy to check)."""
+    return Projection(mean=np.zeros(hidden, np.float32), inv_std=np.ones(hidden, np.float32),
+                      components=np.eye(hidden, DIMS, dtype=np.float32), explained_variance=1.0)
+
+
+def unit(rng, n: int) -> np.ndarray:
+    x = rng.standard_normal((n, DIMS)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def candidate_lists(store: ServedDenseStore, query, emitted, top_n=4, n=3):
+    cands, lengths, weights = store.candidates(query, emitted, top_n, n)
+    return [c[:m].tolist() for c, m in zip(cands, lengths)], weights
+
+
+def test_nearest_key_drafts_what_followed_its_next_token():
+    rng = np.random.default_rng(0)
+    store = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
+    document = np.arange(10, 20, dtype=np.int32)
+    states = unit(rng, 6)
+    # States at positions 2..7: the state at p predicted token p + 1.
+    store.add(document, states, np.arange(2, 8))
+    assert store.num_keys == 6
+    # The query equal to the key at position 4 (which predicted 15): emitting 15 drafts 16..18.
+    found, weights = candidate_lists(store, states[2], emitted=15, top_n=1)
+    assert found == [[16, 17, 18]] and weights[0] == pytest.approx(1.0, abs=1e-5)
+    # Another emitted token fails DReSD's filter.
+    assert candidate_lists(store, states[2], emitted=99, top_n=1)[0] == []
+    # Exhaustive: with top_n covering every key, exactly the keys whose next token is the
+    # emitted one draft, whatever their rank; continuations stop at the document's end.
+    found, _ = candidate_lists(store, states[0], emitted=18, top_n=6, n=5)
+    assert found == [[19]]
+    # Scores are inner products, floored at 0 (hnswlib reports 1 - inner product).
+    neighbours, scores = store.search(states[0], 6)
+    exact = states @ states[0]
+    np.testing.assert_allclose(np.sort(scores)[::-1], np.sort(exact)[::-1], atol=1e-5)
+    assert sorted(neighbours.tolist()) == list(range(6))
+
+
+def test_the_ring_overwrites_the_oldest_keys_first():
+    rng = np.random.default_rng(1)
+    store = ServedDenseStore(4, DIMS, projection=identity_projection(), background=False)
+    old, new = np.arange(100, 110, dtype=np.int32), np.arange(200, 210, dtype=np.int32)
+    old_states, new_states = unit(rng, 3), unit(rng, 3)
+    store.add(old, old_states, np.arange(0, 3))
+    store.add(new, new_states, np.arange(0, 3))
+    assert store.num_keys == 4
+    # Old positions 0 and 1 were overwritten by new 1 and 2; old 2 (predicting 103) is kept.
+    neighbours, _ = store.search(old_states[0], 4)
+    assert len(neighbours) == 4
+    assert candidate_lists(store, old_states[0], emitted=101, top_n=4)[0] == []
+    assert candidate_lists(store, old_states[2], emitted=103, top_n=4)[0] == [[104, 105, 106]]
+    for p in range(3):
+        assert candidate_lists(store, new_states[p], emitted=201 + p, top_n=4)[0] == \
+            [list(range(202 + p, 205 + p))]
+
+
+def test_projection_is_fitted_on_the_first_served_states_then_everything_is_indexed():
+    rng = np.random.default_rng(2)
+    hidden = 16
+    store = ServedDenseStore(1000, DIMS, fit_states=40, background=False)
+    document = np.arange(50, dtype=np.int32)
+    first = rng.standard_normal((30, hidden)).astype(np.float32)
+    store.add(document, first, np.arange(30))
+    assert not store.fitted and store.num_keys == 0
+    assert store.project(torch.from_numpy(first[:1])) is None
+    assert store.candidates(None, 5, 4, 3)[0].shape == (0, 3)
+    store.add(document, rng.standard_normal((15, hidden)).astype(np.float32), np.arange(30, 45))
+    assert store.fitted and store.num_keys == 45
+    query = store.project(torch.from_numpy(first[7:8]))[0]
+    np.testing.assert_allclose(np.linalg.norm(query), 1.0, rtol=1e-5)
+    # The state at 7 is its own nearest key: with 8 emitted, it drafts 9, 10, 11.
+    assert candidate_lists(store, query, emitted=8, top_n=1)[0] == [[9, 10, 11]]
+
+
+def test_a_search_never_waits_for_an_insert():
+    rng = np.random.default_rng(3)
+    store = ServedDenseStore(10, DIMS, projection=identity_projection(), background=False)
+    states = unit(rng, 2)
+    store.add(np.arange(5, dtype=np.int32), states, np.arange(2))
+    with store._lock:  # an insert in progress
+        assert store.search(states[0], 2) is None
+    assert store.busy == 1 and store.search(states[0], 2) is not None
+
+
+def test_background_inserts_are_indexed_after_wait_indexed():
+    rng = np.random.default_rng(4)
+    store = ServedDenseStore(100, DIMS, projection=identity_projection())
+    try:
+        states = unit(rng, 40)
+        store.add(np.arange(60, dtype=np.int32), states, np.arange(40))
+        assert store.wait_indexed()
+        assert store.num_keys == 40
+        assert candidate_lists(store, states[9], emitted=10, top_n=1)[0] == [[11, 12, 13]]
+    finally:
+        store.close()
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="max_keys must be at least 1"):
+        ServedDenseStore(0, DIMS)
+    with pytest.raises(ValueError, match=r"fit_states must be at least dims \(8\)"):
+        ServedDenseStore(10, DIMS, fit_states=4)
+
+
+def test_accepted_state_rows_of_chains_and_trees():
+    # Row 0: a chain that sampled 3 tokens ending at row 4; row 1: nothing sampled; row 2: a
+    # tree whose last accepted node is at row 9 (its path is not contiguous).
+    assert accepted_state_rows([4, -1, 9], [3, 0, 2], [True, True, False]) == \
+        [(2, 4), (-1, -1), (9, 9)]
+
+
+@pytest.mark.parametrize("include_prompts", [True, False])
+def test_served_requests_hand_states_at_their_document_positions(include_prompts):
+    rng = np.random.default_rng(5)
+    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
+    tracker = ServedRequests(ServedStore(100, background=False), include_prompts, dense)
+    # Prompt 1 2 3; step 1 samples 10 (the prefill's state at 2), step 2 samples 11 12
+    # (states at 3 and 4).
+    token_ids = np.array([[1, 2, 3, 10, 11, 12]], dtype=np.int32)
+    states = unit(rng, 3)
+    tracker.observe(["a"], [[10]], np.array([4]), token_ids, None,
+                    [(states[:1], np.array([2]))])
+    tracker.observe(["a"], [[11, 12]], np.array([6]), token_ids, None,
+                    [(states[1:], np.array([3, 4]))])
+    tracker.finish_absent([])
+    # The state at context position 3 predicted 11: emitting 11 drafts 12.
+    assert candidate_lists(dense, states[1], emitted=11, top_n=1)[0] == [[12]]
+    # The prefill's state predicted the first output token: a key only when the prompt is
+    # stored too (without it, the token it predicted starts the document: no position).
+    assert dense.num_keys == (3 if include_prompts else 2)
+    found = candidate_lists(dense, states[0], emitted=10, top_n=3)[0]
+    assert found == ([[11, 12]] if include_prompts else [])
+
+
+def test_hybrid_drafts_from_the_served_states_of_finished_requests():
+    """A finished request's states are keys: a later request whose context matches nothing,
+    but whose state is near one of them, is drafted what followed there."""
+    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+
+    rng = np.random.default_rng(6)
+    config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+                          "served_dense": True, "served_dense_fit_states": 64,
+                          "precompute_drafts": False, "draft_budget_ms": 0},
+                         max_model_len=128)
+    config.model_config.get_hidden_size = lambda: DIMS
+    proposer = HybridProposer(config)
+    try:
+        assert not proposer.drafts_ahead
+        # Request "a": prompt 1 2, then it generates 10..79 one token a step (the projection
+        # is fitted on its 70 states).
+        prompt, output = [1, 2], list(range(10, 80))
+        states = rng.standard_normal((len(output), DIMS)).astype(np.float32)
+        proposer.observe_batch(["a"], None)
+        for step, token in enumerate(output):
+            context = prompt + output[:step + 1]
+            tokens, lengths = batch(context, width=128)
+            proposer.record_last_hidden_states(torch.from_numpy(states[step:step + 1]), [0])
+            proposer.propose([[token]], lengths, tokens)
+        proposer.observe_batch(["b"], None)  # "a" left: served
+        proposer.served_dense.wait_indexed()
+        assert proposer.stats()["served_dense_keys"] == len(output)
+        # "b" emits 16 after unrelated tokens, from the state that predicted 16 in "a".
+        tokens, lengths = batch([7, 8, 16])
+        proposer.record_last_hidden_states(torch.from_numpy(states[6:7]), [0])
+        # No exact match stands behind it, so the draft is as short as drafts get.
+        cap = proposer.config.min_draft_len
+        assert 0 < cap < 4
+        assert proposer.propose([[16]], lengths, tokens) == [list(range(17, 17 + cap))]
+        # From a state unlike any of "a"'s, the filter finds no neighbour predicting 16.
+        tokens, lengths = batch([7, 8, 16])
+        proposer.record_last_hidden_states(torch.from_numpy(-states[6:7]), [0])
+        assert proposer.propose([[16]], lengths, tokens) == [[]]
+    finally:
+        proposer.close()
+
+
+def test_served_dense_needs_the_shared_store():
+    with pytest.raises(ConfigError, match=r"'served_dense'\] needs served_store 'shared', "
+                                          r"got 'per_request'"):
+        parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 8,
+                                  "served_store": "per_request",
+                                  "served_dense": True}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"'served_dense_fit_states'\]=63 is out of range"):
+        parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 8,
+                                  "served_dense": True,
+                                  "served_dense_fit_states": 63}, VLLM_CPU_DEFAULTS)
