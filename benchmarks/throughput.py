@@ -35,7 +35,8 @@ class MethodRun:
     speculative_config: dict[str, Any] | None = None
     datastore: str | None = None
     #: ``tree``: drafts are token trees (``METHOD/tree``) rather than chains;
-    #: ``after-sampling``: no drafts are precomputed (``METHOD/after-sampling``).
+    #: ``after-sampling``: no drafts are precomputed (``METHOD/after-sampling``);
+    #: ``served-dense``: hybrid's served store with its dense half (``hybrid/served-dense``).
     variant: str = ""
 
     @property
@@ -49,7 +50,8 @@ BUILTIN_METHODS = ("ngram", "suffix")
 #: Ours that can draft token trees.
 TREE_METHODS = ("rest", "pld", "hybrid", "dresd")
 #: ``METHOD/VARIANT`` -> the options it sets.
-VARIANTS = {"tree": {"tree": "on"}, "after-sampling": {"precompute_drafts": False}}
+VARIANTS = {"tree": {"tree": "on"}, "after-sampling": {"precompute_drafts": False},
+            "served-dense": {"served_dense": True}}
 
 
 @dataclass
@@ -77,11 +79,14 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
     for spelled in specs:
         spec, _, variant = spelled.partition("/")
         if variant and variant not in VARIANTS:
-            raise ValueError(f"{spelled!r}: the variants are '/tree' (token-tree drafts) and "
-                             "'/after-sampling' (no drafts precomputed)")
+            raise ValueError(f"{spelled!r}: the variants are '/tree' (token-tree drafts), "
+                             "'/after-sampling' (no drafts precomputed) and '/served-dense' "
+                             "(hybrid's served store with its dense half)")
         name, _, store = spec.partition(":")
         if variant and name not in TREE_METHODS:
             raise ValueError(f"{spelled!r}: variants are for " + ", ".join(TREE_METHODS))
+        if variant == "served-dense" and name != "hybrid":
+            raise ValueError(f"{spelled!r}: '/served-dense' is for hybrid")
         # Options for the method, then for this row alone (keyed as spelled, e.g. "hybrid:a").
         options = {**(method_options or {}).get(name, {}),
                    **((method_options or {}).get(spec, {}) if store else {})}

@@ -99,18 +99,20 @@ def test_per_request_stores_learn_only_from_the_same_key(model_dir, code_prompts
     assert stats["served_store_requests"] == 3 * len(code_prompts)
 
 
-def test_served_dense_store_indexes_generated_states_and_stays_lossless(model_dir, code_prompts,
-                                                                         plain_outputs):
+def test_served_dense_store_indexes_generated_states_and_stays_lossless(
+        model_dir, code_prompts, plain_outputs, tmp_path):
     """``served_dense``: the final hidden states of generated tokens become keys as requests
     finish (projection fitted on the first 64), drafts come from them, one request at a time
-    and 4 at once, and greedy outputs stay plain decoding's."""
-    from conftest import generate_ids as generate
-
-    llm = make_llm(model_dir, {**SPEC, "served_dense": True, "served_dense_fit_states": 64})
+    and 4 at once, and greedy outputs stay plain decoding's; the keys are saved with the
+    served store and loaded by the next engine."""
+    served = tmp_path / "served"
+    spec = {**SPEC, "served_dense": True, "served_dense_fit_states": 64,
+            "served_datastore": str(served), "served_save_minutes": 0.02}
+    llm = make_llm(model_dir, spec)
     try:
         first, _ = accepted_per_pass(llm, code_prompts)
-        batched = generate(llm, code_prompts[:4], greedy())
-        time.sleep(2)  # the last finished requests are indexed in the background
+        batched = generate_ids(llm, code_prompts[:4], greedy())
+        time.sleep(5)  # indexed in the background, then saved
         stats = llm.collective_rpc("rsd_drafting_stats")[0]
     finally:
         shutdown(llm)
@@ -119,3 +121,16 @@ def test_served_dense_store_indexes_generated_states_and_stays_lossless(model_di
     # requests, still tracked) is a key: at least one per output token of the first pass.
     assert stats["served_dense_keys"] >= sum(map(len, plain_outputs)) - E2E_MAX_TOKENS
     assert stats["served_dense_hits"] > 0
+    # A datastore with a dense index (loadable, and checked against the model at restart).
+    assert load_datastore(served).manifest.sources == ["served requests"]
+    assert (served / "dense" / "manifest.json").is_file()
+
+    restarted = make_llm(model_dir, spec)
+    try:
+        loaded = restarted.collective_rpc("rsd_drafting_stats")[0]["served_dense_keys"]
+        again, _ = accepted_per_pass(restarted, code_prompts[:4])
+    finally:
+        shutdown(restarted)
+    # Loaded at start-up (at least what the periodic save had), checked against the model.
+    assert loaded >= stats["served_dense_keys"] - 4 * E2E_MAX_TOKENS
+    assert again == plain_outputs[:4]

@@ -203,3 +203,97 @@ def test_served_dense_needs_the_shared_store():
         parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 8,
                                   "served_dense": True,
                                   "served_dense_fit_states": 63}, VLLM_CPU_DEFAULTS)
+
+
+
+def model_facts():
+    from vllm_retrieval_spec.datastore.served_dense import ModelFacts
+
+    return ModelFacts(name="m", fingerprint="a" * 64, hidden_size=DIMS, layer=2, dtype="float32")
+
+
+FACTS = {"tokenizer_name": "t", "tokenizer_fingerprint": "f" * 64, "vocab_size": 1000}
+
+
+def served_pair(rng):
+    """A sparse store of three requests and its dense half, the middle request's keys included
+    (so positions past the first document are checked)."""
+    store = ServedStore(1000, background=False)
+    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
+    states = {}
+    for name, start in (("a", 100), ("b", 200), ("c", 300)):
+        document = store.add(name, np.arange(start, start + 8, dtype=np.int32))
+        states[name] = unit(rng, 5)
+        dense.add(document, states[name], np.arange(1, 6))
+    return store, dense, states
+
+
+def test_saved_keys_load_back_into_the_next_engines_store(tmp_path):
+    from vllm_retrieval_spec.datastore.dense import DenseIndex, check_dense_index
+
+    rng = np.random.default_rng(7)
+    store, dense, states = served_pair(rng)
+    path = tmp_path / "served"
+    store.save(path, **FACTS, dense=dense, model=model_facts())
+    # A regular datastore with a dense index of this model, checked as any at start-up.
+    _, manifest = check_dense_index(path, expected_model_fingerprint="a" * 64,
+                                    hidden_size=DIMS, dtype="float32")
+    assert manifest.num_keys == 15 and manifest.dims == DIMS
+    index = DenseIndex.from_path(path, search="exact")
+    # Key at position 3 of "b" predicted 204: in the saved stream "b" starts after "a" + 1.
+    row = int(np.flatnonzero(index.positions == 9 + 3)[0])
+    np.testing.assert_allclose(index.keys[row], states["b"][2], atol=1e-3)
+
+    restored = ServedStore(1000, background=False)
+    restored_dense = ServedDenseStore(100, DIMS, background=False)
+    documents = restored.load(path)
+    assert restored_dense.load_keys(documents, np.asarray(index.keys), index.positions,
+                                    index.projection) == 15
+    assert restored_dense.fitted and restored_dense.num_keys == 15
+    for name, start in (("a", 100), ("b", 200), ("c", 300)):
+        # The state at position 3 predicted start + 4; emitting it drafts start + 5...
+        found = candidate_lists(restored_dense, states[name][2], emitted=start + 4, top_n=1)[0]
+        assert found == [[start + 5, start + 6, start + 7]]
+
+
+def test_keys_of_evicted_requests_are_not_saved_and_other_projections_not_loaded(tmp_path):
+    from vllm_retrieval_spec.datastore.dense import DenseIndex
+
+    rng = np.random.default_rng(8)
+    store, dense, _ = served_pair(rng)
+    assert store.evict_oldest() == 8  # "a" leaves the sparse store; its keys stay in the ring
+    keys, positions = dense.snapshot(store.documents())
+    assert len(keys) == 10 and positions.min() == 1 and positions.max() == 9 + 5
+    path = tmp_path / "served"
+    store.save(path, **FACTS, dense=dense, model=model_facts())
+    index = DenseIndex.from_path(path, search="exact")
+    assert index.manifest.num_keys == 10
+    other = Projection(mean=np.zeros(DIMS, np.float32), inv_std=np.ones(DIMS, np.float32),
+                       components=-np.eye(DIMS, dtype=np.float32), explained_variance=1.0)
+    fresh = ServedDenseStore(100, DIMS, projection=other, background=False)
+    assert fresh.load_keys(ServedStore(1000, background=False).load(path),
+                           np.asarray(index.keys), index.positions, index.projection) == 0
+    assert fresh.num_keys == 0
+
+
+def test_a_crash_while_writing_keys_leaves_the_previous_save(tmp_path, monkeypatch):
+    from vllm_retrieval_spec.datastore import dense as dense_module
+    from vllm_retrieval_spec.datastore.format import load_datastore
+
+    rng = np.random.default_rng(9)
+    store, dense, _ = served_pair(rng)
+    path = tmp_path / "served"
+    store.save(path, **FACTS, dense=dense, model=model_facts())
+    before = sorted(p.relative_to(path).as_posix() for p in path.rglob("*"))
+    store.add("d", [1, 2, 3])
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dense_module, "write_dense_keys", crash)
+    with pytest.raises(OSError, match="disk full"):
+        store.save(path, **FACTS, dense=dense, model=model_facts())
+    # Tokens and keys of the previous save, together: never new tokens with old keys.
+    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*")) == before
+    assert load_datastore(path).manifest.num_documents == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]

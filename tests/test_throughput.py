@@ -115,7 +115,8 @@ def test_tree_rows_sit_beside_the_same_methods_chain():
     assert runs[3].speculative_config["datastore"] == "/ds"
     with pytest.raises(ValueError, match="variants are for rest, pld, hybrid, dresd"):
         method_runs(["ngram/tree"], 8, {})
-    with pytest.raises(ValueError, match="the variants are '/tree' .* and '/after-sampling'"):
+    with pytest.raises(ValueError, match="the variants are '/tree' .*, '/after-sampling' .* "
+                                         "and '/served-dense'"):
         method_runs(["hybrid/forest"], 8, {})
 
 
@@ -125,3 +126,13 @@ def test_after_sampling_rows_draft_without_precomputed_drafts():
     runs = method_runs(["pld", "pld/after-sampling"], 8, {})
     assert [r.label for r in runs] == ["plain", "pld", "pld/after-sampling"]
     assert [r.speculative_config.get("precompute_drafts") for r in runs[1:]] == [None, False]
+
+
+def test_served_dense_rows_are_hybrid_with_the_dense_half():
+    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+
+    runs = method_runs(["hybrid", "hybrid/served-dense"], 24, {})
+    assert [r.label for r in runs] == ["plain", "hybrid", "hybrid/served-dense"]
+    assert [r.speculative_config.get("served_dense") for r in runs[1:]] == [None, True]
+    with pytest.raises(ValueError, match="'/served-dense' is for hybrid"):
+        method_runs(["pld/served-dense"], 8, {})

@@ -102,8 +102,11 @@ def build_datastore_from_token_ids(
     sources: Sequence[str] = (),
     overwrite: bool = False,
     progress: bool | None = True,
+    then: Callable[[Path, Manifest], None] | None = None,
 ) -> Manifest:
-    """A datastore from already tokenised documents, e.g. the target model's own generations."""
+    """A datastore from already tokenised documents, e.g. the target model's own generations.
+    ``then(directory, manifest)`` writes more into the datastore (a dense index) before it is
+    renamed into place, so that everything appears at once."""
     return _build(
         output,
         lambda writer, stats: write_token_id_stream(
@@ -116,6 +119,7 @@ def build_datastore_from_token_ids(
         empty_hint="token-id documents",
         overwrite=overwrite,
         progress=progress,
+        then=then,
     )
 
 
@@ -130,6 +134,7 @@ def _build(
     empty_hint: str,
     overwrite: bool,
     progress: bool | None,
+    then: Callable[[Path, Manifest], None] | None = None,
 ) -> Manifest:
     timings: dict[str, float] = {}
     stats = CorpusStats()
@@ -165,6 +170,8 @@ def _build(
         )
         write_manifest(tmp, manifest)
         timings["checksums"] = time.perf_counter() - start
+        if then is not None:
+            then(tmp, manifest)
 
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items())
     print(

@@ -454,16 +454,48 @@ def write_dense_index(
     sample_rows = np.sort(rng.choice(num_keys, size=min(fit_samples, num_keys), replace=False))
     show_progress = progress is True or (progress is None and sys.stderr.isatty())
     projection = fit_projection(states, dims, sample_rows, progress=show_progress)
-    # The same temporary-directory-and-rename as a whole datastore: dense/ appears complete
-    # or not at all, and the REST files beside it are never touched.
-    with atomic_datastore_dir(path, overwrite=True) as tmp:
-        keys = np.lib.format.open_memmap(tmp / KEYS_FILE, mode="w+", dtype=np.float16,
-                                         shape=(num_keys, dims))
+
+    def project_into(keys: np.ndarray) -> None:
         step = chunk_rows(hidden_size)
         for start in tqdm(range(0, num_keys, step), desc="projecting keys", unit="chunk",
                           disable=not show_progress):
             batch = torch.from_numpy(np.asarray(states[start:start + step], dtype=np.float32))
             keys[start:start + step] = projection(batch).astype(np.float16)
+
+    return write_dense_keys(
+        path, datastore.manifest.files[TOKENS_FILE]["sha256"], num_keys, project_into,
+        positions, projection, model_name=model_name, model_fingerprint=model_fingerprint,
+        hidden_size=hidden_size, layer=layer, dtype=dtype, num_fit_samples=len(sample_rows),
+        scann=scann, progress=progress)
+
+
+def write_dense_keys(
+    path: Path,
+    tokens_sha256: str,
+    num_keys: int,
+    fill_keys: Callable[[np.ndarray], None],
+    positions: np.ndarray,
+    projection: Projection,
+    *,
+    model_name: str,
+    model_fingerprint: str,
+    hidden_size: int,
+    layer: int,
+    dtype: str,
+    num_fit_samples: int,
+    scann: bool = True,
+    progress: bool | None = True,
+) -> DenseManifest:
+    """Write a dense index directory ``path`` (temporary directory, renamed when complete):
+    ``fill_keys`` writes the projected keys into a float16 [num_keys, dims] memory map;
+    ``positions`` point into the token stream whose sha256 is ``tokens_sha256``."""
+    dims = projection.components.shape[1]
+    # The same temporary-directory-and-rename as a whole datastore: dense/ appears complete
+    # or not at all, and the REST files beside it are never touched.
+    with atomic_datastore_dir(path, overwrite=True) as tmp:
+        keys = np.lib.format.open_memmap(tmp / KEYS_FILE, mode="w+", dtype=np.float16,
+                                         shape=(num_keys, dims))
+        fill_keys(keys)
         keys.flush()
         np.save(tmp / POSITIONS_FILE, np.asarray(positions, dtype=np.int64))
         np.save(tmp / MEAN_FILE, projection.mean)
@@ -481,8 +513,7 @@ def write_dense_index(
             model_name=model_name, model_fingerprint=model_fingerprint,
             hidden_size=hidden_size, layer=layer, dtype=dtype, dims=dims,
             explained_variance=projection.explained_variance, num_keys=num_keys,
-            num_fit_samples=len(sample_rows),
-            tokens_sha256=datastore.manifest.files[TOKENS_FILE]["sha256"],
+            num_fit_samples=num_fit_samples, tokens_sha256=tokens_sha256,
             files={name: describe_file(tmp / name) for name in files}, scann=settings)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     return manifest

@@ -21,6 +21,7 @@ next index and divsufsort's working set). Measured at 1 M tokens on our CPU
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -32,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.datastore.dense import DENSE_DIR
 from vllm_retrieval_spec.datastore.format import MANIFEST_FILE, SEPARATOR, load_datastore
-from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore
+from vllm_retrieval_spec.datastore.served_dense import ModelFacts, ServedDenseStore
 from vllm_retrieval_spec.datastore.suffix_array import (
     build_suffix_array,
     suffix_followers,
@@ -220,33 +222,41 @@ class ServedStore:
     # -------------------------------------------------------------------------- persistence
 
     def save(self, path: str | Path, *, tokenizer_name: str, tokenizer_fingerprint: str,
-             vocab_size: int) -> None:
-        """Write the store as a datastore directory (tokens, suffix array, manifest), atomically:
-        ``path`` is either the previous save or this one, never a mix."""
+             vocab_size: int, dense: ServedDenseStore | None = None,
+             model: ModelFacts | None = None) -> None:
+        """Write the store as a datastore directory (tokens, suffix array, manifest and, with
+        ``dense``, its keys as a dense index of ``model``), atomically: ``path`` is either the
+        previous save or this one, never a mix."""
         from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
 
         documents = self.documents()
         if not documents:
             return
+        then = None
+        if dense is not None and dense.fitted:
+            then = functools.partial(_write_dense_keys, dense.snapshot(documents),
+                                     dense.projection, model)
         build_datastore_from_token_ids(
             documents, path, tokenizer_name=tokenizer_name,
             tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size,
-            sources=[SERVED_SOURCE], overwrite=True, progress=False)
+            sources=[SERVED_SOURCE], overwrite=True, progress=False, then=then)
 
-    def load(self, path: str | Path, *, expected_fingerprint: str | None = None) -> int:
+    def load(self, path: str | Path, *,
+             expected_fingerprint: str | None = None) -> list[np.ndarray]:
         """Add the documents of a datastore directory written by ``save`` (oldest first, as
-        saved); returns the number of tokens loaded."""
+        saved); returns the stored arrays, in the saved order (one per saved document)."""
         datastore = load_datastore(path, expected_fingerprint=expected_fingerprint)
         tokens = np.asarray(datastore.tokens)
         ends = np.flatnonzero(tokens == SEPARATOR)
         start = 0
         with self._lock:
             first = len(self._documents)
+        documents = []
         for i, end in enumerate(ends):
-            if end > start:
-                self.add(f"saved-{first + i}", tokens[start:end])
+            # save() writes no empty document: every one between separators has tokens.
+            documents.append(self.add(f"saved-{first + i}", tokens[start:end]))
             start = end + 1
-        return int(len(tokens) - len(ends))
+        return documents
 
 
 class KeyedServedStores:
@@ -398,6 +408,26 @@ class ServedRequests:
                                positions[kept])
 
 
+def _write_dense_keys(snapshot: tuple[np.ndarray, np.ndarray], projection: Any,
+                      model: ModelFacts, directory: Path, manifest: Any) -> None:
+    """The served dense keys as ``directory``'s dense index (``build``'s ``then`` hook)."""
+    from vllm_retrieval_spec.datastore.dense import write_dense_keys
+    from vllm_retrieval_spec.datastore.format import TOKENS_FILE
+
+    keys, positions = snapshot
+    if not len(keys):
+        return
+
+    def fill(out: np.ndarray) -> None:
+        out[:] = keys.astype(np.float16)
+
+    write_dense_keys(directory / DENSE_DIR, manifest.files[TOKENS_FILE]["sha256"], len(keys),
+                     fill, positions, projection, model_name=model.name,
+                     model_fingerprint=model.fingerprint, hidden_size=model.hidden_size,
+                     layer=model.layer, dtype=model.dtype, num_fit_samples=0, scann=False,
+                     progress=False)
+
+
 class PeriodicSaver:
     """Saves a served store to a datastore directory every ``interval_s`` seconds while it
     changes, and once more when the process exits; loads that directory first if it exists.
@@ -407,35 +437,54 @@ class PeriodicSaver:
     """
 
     def __init__(self, store: ServedStore, path: str | Path, model_config: Any,
-                 interval_s: float) -> None:
+                 interval_s: float, dense: ServedDenseStore | None = None) -> None:
         self.store = store
+        self.dense = dense
         self.path = Path(path)
         self.interval_s = interval_s
-        self._saved_version = -1
+        self._saved_version: tuple[int, int] = (-1, -1)
         # At start-up, not at the first save: the last save happens while vLLM shuts the worker
         # down, and a worker that takes long to exit is killed.
         self._tokenizer = self._tokenizer_facts(model_config)
+        self._model = ModelFacts.of(model_config) if dense is not None else None
         if (self.path / MANIFEST_FILE).is_file():
-            # The front-end checked its tokenizer fingerprint against the model's.
-            loaded = store.load(self.path)
+            # The front-end checked its tokenizer fingerprint against the model's (and its
+            # dense index against the model, ``plugin.validate_against_model``).
+            documents = store.load(self.path)
             # Indexed before the first request is drafted (start-up, not a decoding step).
             store.wait_indexed()
-            logger.info("served store: loaded %d tokens from %s", loaded, self.path)
-        self._saved_version = store.version
+            logger.info("served store: loaded %d tokens from %s", sum(map(len, documents)),
+                        self.path)
+            if dense is not None and (self.path / DENSE_DIR / MANIFEST_FILE).is_file():
+                self._load_dense(documents)
+        self._saved_version = self._version()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._save_periodically, name="served-store-save",
                                         daemon=True)
         self._thread.start()
 
     def save_if_changed(self) -> bool:
-        version = self.store.version
+        version = self._version()
         if version == self._saved_version:
             return False
         name, fingerprint, vocab_size = self._tokenizer
         self.store.save(self.path, tokenizer_name=name, tokenizer_fingerprint=fingerprint,
-                        vocab_size=vocab_size)
+                        vocab_size=vocab_size, dense=self.dense, model=self._model)
         self._saved_version = version
         return True
+
+    def _version(self) -> tuple[int, int]:
+        # The dense keys of a finished request are indexed after its tokens are stored.
+        return self.store.version, 0 if self.dense is None else self.dense.inserted
+
+    def _load_dense(self, documents: list[np.ndarray]) -> None:
+        from vllm_retrieval_spec.datastore.dense import DenseIndex
+
+        index = DenseIndex.from_path(self.path, search="exact", verify_checksums=False)
+        loaded = self.dense.load_keys(documents, np.asarray(index.keys), index.positions,
+                                      index.projection)
+        self.dense.wait_indexed()
+        logger.info("served dense store: loaded %d keys from %s", loaded, self.path)
 
     def close(self) -> None:
         """Stop saving periodically; save what changed since the last save."""

@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,29 @@ INSERT_BATCH = 16
 HNSW_M = 16
 HNSW_EF_CONSTRUCTION = 64
 HNSW_EF_SEARCH = 64
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a saved dense index records of the model whose states it holds (``DenseManifest``),
+    read once at start-up."""
+
+    name: str
+    fingerprint: str
+    hidden_size: int
+    #: The final, normed state: the model's depth.
+    layer: int
+    dtype: str
+
+    @classmethod
+    def of(cls, model_config: Any) -> ModelFacts:
+        from pathlib import Path
+
+        from vllm_retrieval_spec.datastore.dense import dtype_name, model_fingerprint
+
+        return cls(Path(str(model_config.model)).name, model_fingerprint(model_config.model),
+                   model_config.get_hidden_size(),
+                   model_config.hf_text_config.num_hidden_layers, dtype_name(model_config.dtype))
 
 
 class ServedDenseStore:
@@ -64,7 +88,7 @@ class ServedDenseStore:
         self.dims = dims
         self.projection = projection
         self.fit_states = fit_states
-        #: Requests served before the projection was fitted: (document, states, positions).
+        #: Requests served before the projection was fitted: (document, positions, states).
         self._unfitted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._unfitted_states = 0
         self._graph: Any = None
@@ -73,6 +97,8 @@ class ServedDenseStore:
         self._slots: list[tuple[np.ndarray, int] | None] = []
         self._next_slot = 0
         self.num_keys = 0
+        #: Keys inserted so far, overwritten ones included (savers compare it).
+        self.inserted = 0
         #: Searches skipped because an insert held the graph; searches that found candidates.
         self.busy = 0
         self.hits = 0
@@ -94,8 +120,49 @@ class ServedDenseStore:
         ``document`` position ``positions[j]``, the one that predicted the next token."""
         if not len(states):
             return
-        item = (document, np.asarray(states, dtype=np.float32),
-                np.asarray(positions, dtype=np.int64))
+        self._enqueue(document, np.asarray(positions, dtype=np.int64),
+                      np.asarray(states, dtype=np.float32), None)
+
+    def load_keys(self, documents: Sequence[np.ndarray], keys: np.ndarray,
+                  positions: np.ndarray, projection: Projection) -> int:
+        """Index saved keys (``snapshot``'s, projected by ``projection``): ``positions`` are in
+        ``documents`` joined by SEPARATOR, as a saved datastore's tokens are. Returns the
+        number of keys queued: 0 when this store projects differently (its static dense index
+        changed since the save), since those keys would not be comparable with its queries."""
+        if self.projection is not None and not np.array_equal(
+                self.projection.components, projection.components):
+            logger.warning("served dense store: the saved keys were projected differently from "
+                           "this datastore's dense index; they are not loaded")
+            return 0
+        self.projection = projection
+        starts = np.cumsum([0] + [len(d) + 1 for d in documents[:-1]])
+        which = np.searchsorted(starts, positions, side="right") - 1
+        keys = np.asarray(keys, dtype=np.float32)
+        for i, document in enumerate(documents):
+            rows = np.flatnonzero(which == i)
+            if len(rows):
+                self._enqueue(document, positions[rows] - starts[i], None, keys[rows])
+        return len(keys)
+
+    def snapshot(self, documents: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(keys float32 [n, dims], positions int64 [n]) of the keys pointing into
+        ``documents`` (the same arrays, as the sparse store holds them), positions in the
+        documents joined by SEPARATOR; keys of documents not among them are left out."""
+        starts = {id(d): s for d, s in zip(
+            documents, np.cumsum([0] + [len(d) + 1 for d in documents[:-1]]).tolist())}
+        with self._lock:
+            slots, positions = [], []
+            for slot, key in enumerate(self._slots):
+                if key is not None and id(key[0]) in starts:
+                    slots.append(slot)
+                    positions.append(starts[id(key[0])] + key[1])
+            keys = self._graph.get_items(slots, return_type="numpy") if slots else \
+                np.empty((0, self.dims), dtype=np.float32)
+        return np.asarray(keys, dtype=np.float32), np.asarray(positions, dtype=np.int64)
+
+    def _enqueue(self, document: np.ndarray, positions: np.ndarray, states: np.ndarray | None,
+                 keys: np.ndarray | None) -> None:
+        item = (document, positions, states, keys)
         if self._queue is not None:
             self._queue.put(item)
         else:
@@ -177,26 +244,29 @@ class ServedDenseStore:
                 # Drafting goes on from the keys indexed so far.
                 logger.exception("could not index a served request's hidden states")
 
-    def _insert(self, document: np.ndarray, states: np.ndarray, positions: np.ndarray) -> None:
-        if self.projection is None:
-            self._unfitted.append((document, states, positions))
+    def _insert(self, document: np.ndarray, positions: np.ndarray, states: np.ndarray | None,
+                keys: np.ndarray | None) -> None:
+        """Index ``keys``, or ``states`` projected (held back until the projection is fitted)."""
+        if keys is None and self.projection is None:
+            self._unfitted.append((document, positions, states))
             self._unfitted_states += len(states)
             if self._unfitted_states < self.fit_states:
                 return
             import torch
 
             self.projection = fit_projection(
-                torch.from_numpy(np.concatenate([s for _, s, _ in self._unfitted])), self.dims)
+                torch.from_numpy(np.concatenate([s for _, _, s in self._unfitted])), self.dims)
             logger.info("served dense store: projection fitted on %d served states "
                         "(%.0f%% of their variance)", self._unfitted_states,
                         100 * self.projection.explained_variance)
             pending, self._unfitted = self._unfitted, []
-            for item in pending:
-                self._insert(*item)
+            for document, positions, states in pending:
+                self._insert(document, positions, states, None)
             return
-        import torch
+        if keys is None:
+            import torch
 
-        keys = self.projection(torch.from_numpy(states))
+            keys = self.projection(torch.from_numpy(states))
         # A request longer than the store keeps its last keys.
         keys, positions = keys[-self.max_keys:], positions[-self.max_keys:]
         for start in range(0, len(keys), INSERT_BATCH):
@@ -223,6 +293,7 @@ class ServedDenseStore:
                 self._slots[slot] = (document, position)
             self._next_slot = int((self._next_slot + len(keys)) % self.max_keys)
             self.num_keys = min(self.max_keys, self.num_keys + len(keys))
+            self.inserted += len(keys)
 
 
 def accepted_state_rows(last_rows: Sequence[int], num_sampled: Sequence[int],

@@ -213,7 +213,8 @@ class HybridProposer(RestProposer):
             if self.config.served_datastore:
                 self.saver = PeriodicSaver(self.served, self.config.served_datastore,
                                            vllm_config.model_config,
-                                           60 * self.config.served_save_minutes)
+                                           60 * self.config.served_save_minutes,
+                                           self.served_dense)
             # vLLM has no shutdown call for drafters; the worker process's exit is the last
             # chance to store and save the requests that never left a batch. A worker started
             # by multiprocessing may leave through os._exit, which skips atexit but still runs
