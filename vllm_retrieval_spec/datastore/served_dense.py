@@ -15,8 +15,9 @@ The keys live in an HNSW graph (hnswlib) that takes inserts: ScaNN 1.4.2 can ups
 searcher already trained on a database, which a store that starts empty does not have. Slots
 are a ring of ``max_keys``: once full, the oldest key's slot is overwritten by the newest
 (hnswlib updates a label in place), so the store is bounded without deletions. Memory per slot:
-the graph's ``4 * dims + 8 * M + 16`` bytes (400 at dims 64, M 16) plus about 80 for its pointer into
-the tokens (a Python tuple), so 96 MB at 200,000 keys; the whole graph is allocated when the first key is inserted.
+the graph's ``4 * dims + 8 * M + 16`` bytes (400 at dims 64, M 16) plus about 80 for its
+pointer into the tokens (a Python tuple), so 96 MB at 200,000 keys; the whole graph is
+allocated when the first key is inserted.
 
 A background thread projects and inserts finished requests' states in small batches under a
 lock; a search that finds the lock taken is skipped (drafting never waits for an insert) and

@@ -289,8 +289,9 @@ class HybridProposer(RestProposer):
             self.last_states = self.step_states = (states, rows)
             self.row_query = {}
 
-    def accepted_states(self, sampled_token_ids: list[list[int]],
-                        num_tokens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray] | None] | None:
+    def accepted_states(
+        self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
+    ) -> list[tuple[np.ndarray, np.ndarray] | None] | None:
         """For ``served_dense``: each row's final hidden states of this step's sampled tokens
         (float32 [m, H]) and the context positions they are at (the state at p predicted
         p + 1). A tree's accepted path is not contiguous in the step's states: only its last
