@@ -130,12 +130,10 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
             served_dense_of = served.dense_candidates(record) if served is not None else None
 
             def draft(context: np.ndarray, n: int) -> np.ndarray:
-                served_dense = served_dense_of(context) if served_dense_of else None
-                if dense is None:
-                    return hybrid_draft(datastore, context, n, config, served=store,
-                                        served_dense=served_dense)
-                return hybrid_draft(datastore, context, n, config, dense.index,
-                                    query_of(context), store, served_dense)
+                return hybrid_draft(
+                    datastore, context, n, config, dense.index if dense else None,
+                    query_of(context) if dense else None, store,
+                    served_dense_of(context) if served_dense_of else None)
 
             query_of = dense.for_record(record) if dense is not None else None
             return draft
@@ -165,16 +163,11 @@ class ServedReplay:
         #: With ``served_dense``: the served tokens' final states, as the engine indexes them.
         self.dense = None
         if getattr(config, "served_dense", False):
-            from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore
-            from vllm_retrieval_spec.proposers.hybrid import SERVED_DENSE_DIMS
+            from vllm_retrieval_spec.proposers.hybrid import served_dense_store
 
             self.states = _transformers_states(_require_model(model, config))
-            hidden = self.states.model.config.hidden_size
-            self.dense = ServedDenseStore(
-                config.served_dense_max_keys,
-                dense.index.manifest.dims if dense else min(SERVED_DENSE_DIMS, hidden),
-                projection=dense.index.projection if dense else None,
-                fit_states=config.served_dense_fit_states, background=False)
+            self.dense = served_dense_store(config, dense.index if dense else None,
+                                            self.states.model.config.hidden_size, False)
 
     def dense_candidates(self, record: dict[str, list[int]]) -> Callable | None:
         """context -> ``hybrid_draft``'s ``served_dense`` for it (None without a dense half)."""
@@ -210,17 +203,18 @@ class ServedReplay:
     def finished(self, record: dict[str, list[int]]) -> None:
         tokens = record["prompt"] + record["output"] if self.config.served_prompts \
             else record["output"]
-        document = self.store.add(str(self.store.version), tokens)
-        if self.dense is not None and document is not None:
-            # As in the engine: the states that predicted each output token (the prompt's
-            # other states never reach the drafter).
-            prompt_len = len(record["prompt"])
-            positions = np.arange(prompt_len - 1, prompt_len + len(record["output"]) - 1)
-            offset = (0 if self.config.served_prompts else prompt_len) \
-                + len(tokens) - len(document)
-            kept = positions - offset >= 0
-            self.dense.add(document, self.final_states(record)[positions[kept]],
-                           positions[kept] - offset)
+        if self.dense is None:
+            self.store.add(str(self.store.version), tokens)
+            return
+        from vllm_retrieval_spec.datastore.served import store_served
+
+        # As in the engine: the states that predicted each output token (the prompt's other
+        # states never reach the drafter).
+        prompt_len = len(record["prompt"])
+        positions = np.arange(prompt_len - 1, prompt_len + len(record["output"]) - 1)
+        store_served(self.store, self.dense, str(self.store.version), tokens,
+                     0 if self.config.served_prompts else prompt_len,
+                     self.final_states(record)[positions], positions)
 
 
 class SuffixDecodingReplay:

@@ -397,15 +397,26 @@ class ServedRequests:
             steps = self.states.pop(req_id, None)
             if isinstance(self.store, KeyedServedStores):
                 self.store.add(self.keys.pop(req_id), req_id, tokens)
-                continue
-            document = self.store.add(req_id, tokens)
-            if document is not None and steps:
-                # Positions in the stored document: it may have kept only the end of tokens.
-                offset = start + len(tokens) - len(document)
-                positions = np.concatenate([p for _, p in steps]) - offset
-                kept = positions >= 0
-                self.dense.add(document, np.concatenate([s for s, _ in steps])[kept],
-                               positions[kept])
+            elif steps:
+                store_served(self.store, self.dense, req_id, tokens, start,
+                             np.concatenate([s for s, _ in steps]),
+                             np.concatenate([p for _, p in steps]))
+            else:
+                self.store.add(req_id, tokens)
+
+
+def store_served(store: ServedStore, dense: ServedDenseStore | None, req_id: str,
+                 tokens: np.ndarray | Sequence[int], start: int, states: np.ndarray,
+                 positions: np.ndarray) -> None:
+    """Store a finished request's ``tokens`` (its context from position ``start`` on) and, in
+    ``dense``, its final hidden states ``states`` at context ``positions``, each pointing at
+    its position in the stored document (which may keep only the end of ``tokens``)."""
+    document = store.add(req_id, tokens)
+    if dense is None or document is None:
+        return
+    positions = np.asarray(positions) - (start + len(tokens) - len(document))
+    kept = positions >= 0
+    dense.add(document, states[kept], positions[kept])
 
 
 def _write_dense_keys(snapshot: tuple[np.ndarray, np.ndarray], projection: Any,

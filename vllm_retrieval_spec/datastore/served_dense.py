@@ -136,7 +136,7 @@ class ServedDenseStore:
                            "this datastore's dense index; they are not loaded")
             return 0
         self.projection = projection
-        starts = np.cumsum([0] + [len(d) + 1 for d in documents[:-1]])
+        starts = document_starts(documents)
         which = np.searchsorted(starts, positions, side="right") - 1
         keys = np.asarray(keys, dtype=np.float32)
         for i, document in enumerate(documents):
@@ -149,8 +149,7 @@ class ServedDenseStore:
         """(keys float32 [n, dims], positions int64 [n]) of the keys pointing into
         ``documents`` (the same arrays, as the sparse store holds them), positions in the
         documents joined by SEPARATOR; keys of documents not among them are left out."""
-        starts = {id(d): s for d, s in zip(
-            documents, np.cumsum([0] + [len(d) + 1 for d in documents[:-1]]).tolist())}
+        starts = {id(d): s for d, s in zip(documents, document_starts(documents).tolist())}
         with self._lock:
             slots, positions = [], []
             for slot, key in enumerate(self._slots):
@@ -295,6 +294,12 @@ class ServedDenseStore:
             self._next_slot = int((self._next_slot + len(keys)) % self.max_keys)
             self.num_keys = min(self.max_keys, self.num_keys + len(keys))
             self.inserted += len(keys)
+
+
+def document_starts(documents: Sequence[np.ndarray]) -> np.ndarray:
+    """Where each document starts in ``documents`` joined by SEPARATOR (a saved datastore's
+    token stream)."""
+    return np.cumsum([0] + [len(d) + 1 for d in documents[:-1]])
 
 
 def accepted_state_rows(last_rows: Sequence[int], num_sampled: Sequence[int],

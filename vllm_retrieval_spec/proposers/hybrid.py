@@ -48,6 +48,17 @@ from vllm_retrieval_spec.proposers.rest import RestProposer
 SERVED_DENSE_DIMS = 64
 
 
+def served_dense_store(config: HybridConfig, dense: DenseIndex | None, hidden_size: int,
+                       background: bool) -> ServedDenseStore:
+    """The served store's dense half: with a dense index, its projection (one query searches
+    both), else one fitted on the first served states."""
+    return ServedDenseStore(
+        config.served_dense_max_keys,
+        dense.manifest.dims if dense is not None else min(SERVED_DENSE_DIMS, hidden_size),
+        projection=dense.projection if dense is not None else None,
+        fit_states=config.served_dense_fit_states, background=background)
+
+
 def source_weights(num_candidates: int, match_len: int, weight_per_token: float,
                    shared: bool) -> np.ndarray:
     """Each candidate's vote: ``weight_per_token`` x match length, split among the candidates
@@ -201,13 +212,9 @@ class HybridProposer(RestProposer):
             else:
                 self.served = ServedStore(self.config.served_max_tokens, background=background)
             if self.config.served_dense:
-                # With a dense index, its projection: one query searches both.
-                self.served_dense = ServedDenseStore(
-                    self.config.served_dense_max_keys,
-                    self.dense.manifest.dims if self.dense is not None else
-                    min(SERVED_DENSE_DIMS, vllm_config.model_config.get_hidden_size()),
-                    projection=self.dense.projection if self.dense is not None else None,
-                    fit_states=self.config.served_dense_fit_states, background=background)
+                self.served_dense = served_dense_store(
+                    self.config, self.dense, vllm_config.model_config.get_hidden_size(),
+                    background)
             self.served_requests = ServedRequests(self.keyed or self.served,
                                                   self.config.served_prompts, self.served_dense)
             if self.config.served_datastore:
