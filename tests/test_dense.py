@@ -539,9 +539,12 @@ def test_dresd_search_over_budget_costs_the_draft(clustered_store, monkeypatch):
 
 
 def hybrid_config(path, **options):
+    # Two-token minimums: these tests weigh a context match against the dense neighbours, and
+    # one-token matches in the tiny stores would vote too.
     return parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
                                      "datastore": str(path), "min_prefix_prob": 0.0,
-                                     "prior_weight": 0.0, **options}, VLLM_CPU_DEFAULTS)
+                                     "prior_weight": 0.0, "context_min_match_len": 2,
+                                     "min_match_len": 2, **options}, VLLM_CPU_DEFAULTS)
 
 
 @pytest.fixture

@@ -93,7 +93,8 @@ def test_oracle_is_a_ceiling_for_hybrid(tmp_path):
                                    tokenizer_fingerprint="0" * 64, vocab_size=100,
                                    progress=False)
     config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
-                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1},
+                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1,
+                                       "context_min_match_len": 2, "min_match_len": 2},
                                            VLLM_CPU_DEFAULTS)
     record = {"prompt": [1, 5], "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}
     oracle = replay([record], oracle_factory(config), k=3, draft_token_cost=0.0)

@@ -159,7 +159,9 @@ def test_hybrid_drafts_from_the_served_states_of_finished_requests():
     rng = np.random.default_rng(6)
     config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
                           "served_dense": True, "served_dense_fit_states": 64,
-                          "precompute_drafts": False, "draft_budget_ms": 0},
+                          "precompute_drafts": False, "draft_budget_ms": 0,
+                          # Else the sparse served store's one-token match of 16 drafts too.
+                          "context_min_match_len": 2, "min_match_len": 2},
                          max_model_len=128)
     config.model_config.get_hidden_size = lambda: DIMS
     proposer = HybridProposer(config)

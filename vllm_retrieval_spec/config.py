@@ -298,8 +298,18 @@ class HybridConfig(RestConfig, DenseSearchConfig):
     method: ClassVar[str] = "hybrid"
     proposer_class: ClassVar[str] = "vllm_retrieval_spec.proposers.hybrid.HybridProposer"
 
-    #: Context suffixes from ``context_max_match_len`` down to ``context_min_match_len``.
-    context_min_match_len: int = 2
+    #: Context suffixes from ``context_max_match_len`` down to ``context_min_match_len``, and
+    #: the stores' from ``max_match_len`` down to ``min_match_len``. Down to one token: when
+    #: nothing longer matches, the continuations of the last token's earlier occurrences still
+    #: draft (vLLM's ``suffix`` does the same), and ``max_spec_factor`` keeps such drafts to two
+    #: tokens. Replay at 0.05 of a forward per draft token (hybrid, k = 24, no datastore;
+    #: benchmarks/results/tuning/one-token-matches.md): against ``suffix``'s modelled speedup,
+    #: 1.034x geometric mean over four tasks against 1.000x with two-token minimums on the
+    #: tuning prompts 20-39, and 1.029x against 0.994x on prompts 40-59 of five tasks, checked
+    #: after choosing. Makes precomputed drafts (``drafting.overlap``) incomplete: a sampled
+    #: token seen anywhere before drafts, not only the last token's followers.
+    context_min_match_len: int = 1
+    min_match_len: int = 1
     context_max_match_len: int = 16
     #: Defaults below were tuned together by replaying plain outputs of prompts 20-39 of every
     #: task (code-gen, code-edit, summarize, chat) against the model's own answers to prompts
