@@ -489,7 +489,8 @@ def test_dresd_search_ahead_drafts_what_searching_after_sampling_drafts(clustere
     drafts as projecting and searching the last states after sampling, with nothing projected
     or searched after sampling."""
     path, states = clustered_store
-    options = {"min_prefix_prob": 0.0, "tree": tree, "tree_min_prob": 0.05}
+    # No time budget: a loaded machine must not cost one side its draft.
+    options = {"min_prefix_prob": 0.0, "tree": tree, "tree_min_prob": 0.05, "draft_budget_ms": 0}
     after = dresd_proposer(path, **options, precompute_drafts=False)
     ahead = dresd_proposer(path, **options, precompute_drafts=True)
     tokens = after.index.tokens

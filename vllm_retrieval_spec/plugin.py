@@ -413,30 +413,26 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
         revision=model_config.tokenizer_revision,
         trust_remote_code=model_config.trust_remote_code,
     )
-    if saved and getattr(config, "served_dense", False) and dense_index_in_use(served, "auto"):
-        # Its keys are hidden states: they must be this model's, in this dtype.
-        check_dense_index(
-            served, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
-            expected_model_fingerprint=model_fingerprint(model_config.model),
-            verify_checksums=config.verify_checksums)
-    elif saved:
-        # A served store saved by another model would draft nonsense, or ids outside the
-        # vocabulary: refuse it here, as any datastore.
-        load_datastore(served, expected_fingerprint=tokenizer_fingerprint(tokenizer),
-                       verify_checksums=config.verify_checksums)
-    if not datastore:
-        return
-    if isinstance(config, DresdConfig) or (
-            isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense)):
-        check_dense_index(
-            datastore, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
-            expected_model_fingerprint=model_fingerprint(model_config.model),
-            verify_checksums=config.verify_checksums)
-        return
-    load_datastore(datastore, expected_fingerprint=tokenizer_fingerprint(tokenizer),
-                   verify_checksums=config.verify_checksums)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+
+    def check(path: str, dense: bool) -> None:
+        if dense:
+            # Its keys are hidden states: they must be this model's, in this dtype.
+            check_dense_index(
+                path, expected_tokenizer_fingerprint=fingerprint,
+                hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
+                expected_model_fingerprint=model_fingerprint(model_config.model),
+                verify_checksums=config.verify_checksums)
+        else:
+            # Tokens of another tokenizer would draft nonsense, or ids outside the vocabulary.
+            load_datastore(path, expected_fingerprint=fingerprint,
+                           verify_checksums=config.verify_checksums)
+
+    if saved:
+        check(served, getattr(config, "served_dense", False) and dense_index_in_use(served, "auto"))
+    if datastore:
+        check(datastore, isinstance(config, DresdConfig) or (
+            isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense)))
 
 
 def _drafter_aux_layers(runner: Any) -> tuple[int, ...] | None:
