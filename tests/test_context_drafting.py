@@ -120,6 +120,25 @@ def test_hybrid_drafts_from_the_served_store_without_any_datastore():
                         ).tolist() == [8, 8, 8]
 
 
+def test_hybrid_drafts_from_one_token_matches_unless_told_not_to():
+    # "3" occurred once before, followed by "7 8 9"; no longer suffix of the context recurs.
+    context = np.array([3, 7, 8, 9, 1, 3], dtype=np.int32)
+    defaults = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3},
+                                        VLLM_CPU_DEFAULTS)
+    assert (defaults.context_min_match_len, defaults.min_match_len) == (1, 1)
+    assert hybrid_draft(None, context, 3, defaults).tolist() == [7, 8, 9]
+    # So does a served request that continued "4" with "5 5 5", for a context that ends in 4.
+    served = served_store([4, 5, 5, 5])
+    assert hybrid_draft(None, np.array([1, 4], dtype=np.int32), 3, defaults,
+                        served=served).tolist() == [5, 5, 5]
+    two = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
+                                    "context_min_match_len": 2, "min_match_len": 2},
+                                   VLLM_CPU_DEFAULTS)
+    assert hybrid_draft(None, context, 3, two).tolist() == []
+    assert hybrid_draft(None, np.array([1, 4], dtype=np.int32), 3, two,
+                        served=served).tolist() == []
+
+
 def test_served_votes_against_the_context_by_their_weights(datastore):
     path, _ = datastore
     # The context continued "5 6" with "9 9" once (vote 2 x context_weight); two served requests
