@@ -105,9 +105,13 @@ def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, ma
     if config.tree == "on" and config.tree_branch_weight:
         # A tree holds more than the best chain: the continuations of every earlier occurrence
         # of the last token alone, which the longest match leaves out, as light branches.
-        short = [find_context_matches(context, 1, 1, config.max_occurrences, max_len)[:2]]
+        # Where the longest match is one token (one-token matches are on by default), its
+        # lookup already found exactly these.
+        short = [(context_cands, context_lengths) if context_n == 1 else
+                 find_context_matches(context, 1, 1, config.max_occurrences, max_len)[:2]]
         if served is not None:
-            short.append(served.lookup(context, min_len=1, max_len=1,
+            short.append((served_cands, served_lengths) if served_n == 1 else
+                         served.lookup(context, min_len=1, max_len=1,
                                        max_occurrences=config.max_occurrences,
                                        continuation_len=max_len)[:2])
         for short_cands, short_lengths in short:
