@@ -303,7 +303,7 @@ class MethodEngine:
         self.outputs: list[list[int]] = []
         #: (prompts, output tokens, seconds, forwards) of each batch, in order.
         self.batches: list[tuple[int, int, float, int]] = []
-        self.accepted = self.drafts = 0
+        self.accepted = self.drafts = self.drafted = 0
         self.forwards.count = 0
         if self.speculative:
             self.llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
@@ -324,6 +324,7 @@ class MethodEngine:
                 stats = metrics.to_dict()
                 self.accepted += stats["num_accepted_draft_tokens"]
                 self.drafts += stats["num_spec_steps"]
+                self.drafted += stats["num_draft_tokens"]
         self.progress.update(len(batch))
 
     def finish_task(self) -> tuple[dict[str, Any], list[list[int]]]:
@@ -331,7 +332,8 @@ class MethodEngine:
                     else {"p50_ms": None, "p99_ms": None, "critical_p50_ms": None,
                           "critical_p99_ms": None})
         row = _row(self.run, self.num_speculative_tokens, self.task, self.settings,
-                   self.outputs, self.batches, self.accepted, self.drafts, drafting)
+                   self.outputs, self.batches, self.accepted, self.drafts, self.drafted,
+                   drafting)
         return row, self.outputs
 
     def close(self) -> None:
@@ -365,7 +367,7 @@ def halves(batches: list[tuple[int, int, float, int]]) -> dict[str, dict[str, fl
 
 def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings: BenchSettings,
          outputs: list[list[int]], batches: list[tuple[int, int, float, int]], accepted: float,
-         drafts: float, drafting: dict[str, Any]) -> dict[str, Any]:
+         drafts: float, drafted: int, drafting: dict[str, Any]) -> dict[str, Any]:
     output_tokens = sum(map(len, outputs))
     elapsed = sum(b[2] for b in batches)
     forwards = sum(b[3] for b in batches)
@@ -387,6 +389,8 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
         "tokens_per_s": round(output_tokens / elapsed, 3),
         "tokens_per_forward": round(output_tokens / forwards, 3),
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        # Draft tokens verified per target forward: what the step time pays for.
+        "draft_tokens_per_forward": round(drafted / forwards, 3) if drafted else None,
         "draft_ms_p50": _round(drafting["p50_ms"]),
         "draft_ms_p99": _round(drafting["p99_ms"]),
         # The part of drafting vLLM waits for: from the sampled tokens to the drafts.
@@ -417,7 +421,8 @@ def _round(value: float | None) -> float | None:
 
 
 COLUMNS = ("task", "method", "datastore", "tokens_per_s", "speedup", "tokens_per_forward",
-           "mean_acceptance_length", "draft_ms_p50", "draft_ms_p99", "draft_critical_ms_p50",
+           "mean_acceptance_length", "draft_tokens_per_forward", "draft_ms_p50", "draft_ms_p99",
+           "draft_critical_ms_p50",
            "draft_critical_ms_p99", "step_ms", "outputs_equal_plain")
 
 

@@ -136,3 +136,21 @@ def test_served_dense_rows_are_hybrid_with_the_dense_half():
     assert [r.speculative_config.get("served_dense") for r in runs[1:]] == [None, True]
     with pytest.raises(ValueError, match="'/served-dense' is for hybrid"):
         method_runs(["pld/served-dense"], 8, {})
+
+
+def test_rows_count_draft_tokens_per_forward_and_plain_has_none():
+    from vllm_retrieval_spec.benchmarks.throughput import BenchSettings, MethodRun, _row
+
+    no_drafting = {"p50_ms": None, "p99_ms": None, "critical_p50_ms": None,
+                   "critical_p99_ms": None}
+    settings = BenchSettings()
+    # Two prompts, 10 output tokens in 4 forwards (prefill included): 3 drafting steps that
+    # verified 9 draft tokens, 6 of them accepted.
+    hybrid = _row(MethodRun("hybrid", {"method": "hybrid"}), 24, "chat", settings,
+                  [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9, no_drafting)
+    assert hybrid["draft_tokens_per_forward"] == 2.25
+    assert hybrid["tokens_per_forward"] == 2.5
+    assert hybrid["mean_acceptance_length"] == 3.0
+    plain = _row(MethodRun("plain"), None, "chat", settings, [[1] * 6, [2] * 4],
+                 [(2, 10, 0.5, 10)], 0, 0, 0, no_drafting)
+    assert plain["draft_tokens_per_forward"] is None
