@@ -171,3 +171,17 @@ def test_engine_output_goes_to_the_log_and_the_bar_to_the_terminal(tmp_path, cap
     out, err = capfd.readouterr()
     assert (out, err) == ("result\n", "progress\nafter\n")
     assert sorted(log.read_text().splitlines()) == ["engine logs", "engine says"]
+
+
+def test_tasks_short_of_the_prompts_asked_for_are_named(tmp_path, capsys):
+    cli.check_prompt_counts({"chat": 80, "mine": 20}, 40, 60)
+    assert capsys.readouterr().err == ("warning: task 'mine' has 20 prompts from offset 60 on, "
+                                       "fewer than the 40 asked for; its rows use 20\n")
+    cli.check_prompt_counts({"chat": 80}, None, 0)
+    assert capsys.readouterr().err == ""
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    with pytest.raises(SystemExit, match="error: task 'mine' has 0 prompts from offset 2 on, "
+                                         "fewer than the 3 asked for"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--prompts-file",
+                  str(prompts), "--prompts", "3", "--prompt-offset", "2"])

@@ -221,6 +221,10 @@ def engine_output_to(log: Path | None) -> Iterator[TextIO]:
                 os.close(copy)
 
 
+#: Prompts per benchmark task when ``--prompts`` is not given.
+TASK_PROMPTS = 20
+
+
 def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[int]]]:
     """Task name -> prompt token ids: the named tasks, then one task per prompts file (named
     after the file)."""
@@ -242,11 +246,27 @@ def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[i
     # Read every file before the tokenizer loads, so a bad line fails at once.
     requests = {name: file_requests(f, args.prompts, args.prompt_offset)
                 for name, f in files.items()}
+    check_prompt_counts({name: len(batch) for name, batch in requests.items()}, args.prompts,
+                        args.prompt_offset)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = {t: task_prompts(t, tokenizer, args.prompts, args.prompt_offset) for t in tasks}
+    per_task = TASK_PROMPTS if args.prompts is None else args.prompts
+    prompts = {t: task_prompts(t, tokenizer, per_task, args.prompt_offset) for t in tasks}
+    check_prompt_counts({t: len(prompts[t]) for t in tasks}, args.prompts, args.prompt_offset)
     prompts.update({name: [render(r, tokenizer) for r in batch]
                     for name, batch in requests.items()})
     return prompts
+
+
+def check_prompt_counts(counts: dict[str, int], asked: int | None, offset: int) -> None:
+    """Refuse a task left with no prompts from ``offset`` on; warn of one with fewer than
+    ``asked`` (its rows then average fewer prompts than the others')."""
+    for name, count in counts.items():
+        if asked is not None and count < asked:
+            message = (f"task {name!r} has {count} prompts from offset {offset} on, fewer than "
+                       f"the {asked} asked for")
+            if not count:
+                raise ValueError(message)
+            print(f"warning: {message}; its rows use {count}", file=sys.stderr)
 
 
 def calibrate_command(args: argparse.Namespace) -> None:
@@ -388,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", action="append",
                    help='your own prompts, repeatable: a jsonl file of {"prompt": "..."} or '
                         '{"messages": [...]} lines, benchmarked as a task named after the file')
-    p.add_argument("--prompts", type=int, default=20, help="per task")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"per task (default: {TASK_PROMPTS} of a task, all of a prompts file)")
     p.add_argument("--prompt-offset", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1,
