@@ -33,7 +33,7 @@ DraftFactory = Callable[[dict[str, list[int]]], DraftFn]
 
 def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int, *,
            draft_token_cost: float, adaptive: bool = False,
-           min_draft_len: int = 1) -> dict[str, float]:
+           min_draft_len: int = 1, step_costs: list[float] | None = None) -> dict[str, float]:
     """Walk every recorded output as the engine would with ``draft``; summarise.
 
     ``modeled_speedup`` = tokens per forward / (1 + ``draft_token_cost`` x mean draft length):
@@ -42,11 +42,16 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
     follows, as ``tree_verification`` does in vLLM. ``adaptive``
     caps each draft by the record's acceptance so far, as the proposers do in vLLM; drafts
     shorter than ``min_draft_len`` are dropped, as there.
+
+    ``step_costs[d]``, a measured step time for d draft tokens (``measured_step_costs``),
+    replaces the linear model where verification is not linear in d: the modelled speedup is
+    then output tokens over every forward's cost in units of a draft-less step.
     """
     from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
     from vllm_retrieval_spec.drafting.tree import TreeDraft
 
     output_tokens = forwards = drafted = 0
+    cost = 0.0  # forwards, each in units of a step without a draft (step_costs only)
     draft_ns: list[int] = []
     tracker = AcceptanceTracker(k, draft_token_cost, min_draft_len)
     # A method that learns from served requests (``ServedReplay``) is told when each finishes.
@@ -57,6 +62,7 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
         draft = make_draft(record)
         position = 1  # the prefill forward produced output[0]
         forwards += 1
+        cost += 1.0
         while position < len(output):
             start = time.perf_counter_ns()
             max_len = tracker.cap(str(n)) if adaptive else k
@@ -71,6 +77,8 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
             tracker.update(str(n), size, accepted)
             drafted += size
             forwards += 1
+            if step_costs is not None:
+                cost += step_costs[min(size, len(step_costs) - 1)] / step_costs[0]
             position += accepted + 1
         output_tokens += len(output)
         if finished is not None:
@@ -78,13 +86,32 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
     steps = max(forwards - len(records), 1)
     tokens_per_forward = output_tokens / forwards
     mean_draft_len = drafted / steps
+    modeled = (output_tokens / cost if step_costs is not None
+               else tokens_per_forward / (1 + draft_token_cost * mean_draft_len))
     return {
-        "modeled_speedup": round(tokens_per_forward / (1 + draft_token_cost * mean_draft_len), 3),
+        "modeled_speedup": round(modeled, 3),
         "tokens_per_forward": round(tokens_per_forward, 3),
         "mean_draft_len": round(mean_draft_len, 2),
         "draft_us_p50": round(float(np.percentile(draft_ns, 50)) / 1e3, 1) if draft_ns else 0.0,
         "draft_us_p99": round(float(np.percentile(draft_ns, 99)) / 1e3, 1) if draft_ns else 0.0,
     }
+
+
+def measured_step_costs(path: str, k: int) -> list[float]:
+    """Step time for 0..k draft tokens from a ``verify_cost`` results file: its shortest
+    context's medians, linear between the measured lengths and along the last two beyond."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    shortest = min(row["context_tokens"] for row in rows)
+    points = sorted((row["draft_len"], row["ms_per_step_median"]) for row in rows
+                    if row["context_tokens"] == shortest)
+    if len(points) < 2 or points[0][0] != 0:
+        raise ValueError(f"{path}: needs the step time with no draft and at least one other "
+                         f"length, got draft lengths {[d for d, _ in points]}")
+    lengths, times = zip(*points)
+    slope = (times[-1] - times[-2]) / (lengths[-1] - lengths[-2])
+    return [float(np.interp(d, lengths, times)) if d <= lengths[-1]
+            else times[-1] + slope * (d - lengths[-1]) for d in range(k + 1)]
 
 
 def accepted_length(proposal: Any, truth: list[int]) -> int:
@@ -455,6 +482,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--platform", choices=("vllm-cpu", "accelerator"), default="vllm-cpu",
                         help="whose option defaults (draft_token_cost, min_draft_len, ...) the "
                              "configs get, and so whose verification cost is modelled")
+    parser.add_argument("--verify-cost",
+                        help="a verify_cost results JSON: model each step's cost by its "
+                             "measured time for that many draft tokens instead of linearly")
     parser.add_argument("--oracle", action="store_true",
                         help="replay hybrid configs' ceiling: at every step the candidate of "
                              "any source that is accepted furthest (k tokens at most)")
@@ -464,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     tasks = sorted({r.get("task", "code-gen") for r in records})
     grid = json.loads(args.grid)
     platforms = {p.name: p for p in (VLLM_CPU_DEFAULTS, ACCELERATOR_DEFAULTS)}
+
+    def curve(k: int) -> list[float] | None:
+        return None if args.verify_cost is None else measured_step_costs(args.verify_cost, k)
     for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
         if options.get("method") == "suffix":
             # vLLM's own method, at its defaults (or the options given), beside ours.
@@ -471,8 +504,9 @@ def main(argv: list[str] | None = None) -> None:
             cost = platforms[args.platform].draft_token_cost
             for task in tasks:
                 peer = SuffixDecodingReplay(**peer_options)
+                k = peer.num_speculative_tokens
                 result = replay([r for r in records if r.get("task", "code-gen") == task],
-                                peer, peer.num_speculative_tokens, draft_token_cost=cost)
+                                peer, k, draft_token_cost=cost, step_costs=curve(k))
                 print(json.dumps({"task": task, "config": options, **result}), flush=True)
             continue
         config = parse_speculative_config({"num_speculative_tokens": args.k, **options},
@@ -485,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
             factory = draft_factory
             rules = {"draft_token_cost": config.draft_token_cost,
                      "adaptive": config.adaptive_draft_len,
-                     "min_draft_len": config.min_draft_len}
+                     "min_draft_len": config.min_draft_len,
+                     "step_costs": curve(config.num_speculative_tokens)}
         for task in tasks:
             # A fresh factory per task: a method that learns starts each task knowing none.
             make_draft = factory(config, args.model)

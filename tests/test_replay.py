@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -138,3 +140,31 @@ def test_suffix_peer_replays_vllms_suffix_decoding():
     second = replay([record], peer, k=24, draft_token_cost=0.0)
     assert first["tokens_per_forward"] == 1.0
     assert second["tokens_per_forward"] > 5.0
+
+
+def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
+    from vllm_retrieval_spec.benchmarks.replay import measured_step_costs
+
+    rows = [{"context_tokens": c, "draft_len": d, "ms_per_step_median": t}
+            for c, table in ((50, {0: 50.0, 1: 60.0, 2: 45.0, 4: 45.0, 8: 55.0}),
+                             (400, {0: 99.0, 8: 99.0}))
+            for d, t in table.items()]
+    path = tmp_path / "verify-cost.json"
+    path.write_text(json.dumps({"rows": rows}))
+    # The shortest context; linear between measured lengths, along the last two beyond them.
+    assert measured_step_costs(str(path), 10) == [50.0, 60.0, 45.0, 45.0, 45.0, 47.5, 50.0,
+                                                  52.5, 55.0, 57.5, 60.0]
+    output = list(range(100, 120))
+    record = {"prompt": [1, 2, 3], "output": output}
+
+    def two_wrong(context, n):  # a 2-token draft, never accepted
+        return np.zeros(2, dtype=np.int32)
+
+    result = replay([record], lambda r: two_wrong, k=2, draft_token_cost=0.5,
+                    step_costs=measured_step_costs(str(path), 2))
+    # 20 forwards (prefill + 19 steps of one token), each step at 45 / 50 of a plain one.
+    assert result["tokens_per_forward"] == 1.0
+    assert result["modeled_speedup"] == round(20 / (1 + 19 * 0.9), 3)
+    path.write_text(json.dumps({"rows": rows[1:2]}))
+    with pytest.raises(ValueError, match="needs the step time with no draft"):
+        measured_step_costs(str(path), 4)
