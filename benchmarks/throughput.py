@@ -422,8 +422,7 @@ def _round(value: float | None) -> float | None:
 
 COLUMNS = ("task", "method", "datastore", "tokens_per_s", "speedup", "tokens_per_forward",
            "mean_acceptance_length", "draft_tokens_per_forward", "draft_ms_p50", "draft_ms_p99",
-           "draft_critical_ms_p50",
-           "draft_critical_ms_p99", "step_ms", "outputs_equal_plain")
+           "draft_critical_ms_p50", "draft_critical_ms_p99", "step_ms", "outputs_equal_plain")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -251,7 +251,7 @@ def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[i
     tokenizer = AutoTokenizer.from_pretrained(model)
     per_task = TASK_PROMPTS if args.prompts is None else args.prompts
     prompts = {t: task_prompts(t, tokenizer, per_task, args.prompt_offset) for t in tasks}
-    check_prompt_counts({t: len(prompts[t]) for t in tasks}, args.prompts, args.prompt_offset)
+    check_prompt_counts({t: len(prompts[t]) for t in tasks}, per_task, args.prompt_offset)
     prompts.update({name: [render(r, tokenizer) for r in batch]
                     for name, batch in requests.items()})
     return prompts
