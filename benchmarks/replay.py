@@ -33,7 +33,8 @@ DraftFactory = Callable[[dict[str, list[int]]], DraftFn]
 
 def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int, *,
            draft_token_cost: float, adaptive: bool = False,
-           min_draft_len: int = 1, step_costs: list[float] | None = None) -> dict[str, float]:
+           min_draft_len: int = 1, step_costs: list[float] | None = None,
+           pad_drafts: bool = False) -> dict[str, float]:
     """Walk every recorded output as the engine would with ``draft``; summarise.
 
     ``modeled_speedup`` = tokens per forward / (1 + ``draft_token_cost`` x mean draft length):
@@ -45,15 +46,21 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
 
     ``step_costs[d]``, a measured step time for d draft tokens (``measured_step_costs``),
     replaces the linear model where verification is not linear in d: the modelled speedup is
-    then output tokens over every forward's cost in units of a draft-less step.
+    then output tokens over every forward's cost in units of a draft-less step. With
+    ``pad_drafts`` too, short chains are padded as the proposers pad them once their
+    ``StepCostModel`` has learned these costs (``drafting.step_cost``).
     """
     from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
+    from vllm_retrieval_spec.drafting.step_cost import (
+        cheapest_at_least, padded_draft, padding_lengths)
     from vllm_retrieval_spec.drafting.tree import TreeDraft
 
     output_tokens = forwards = drafted = 0
     cost = 0.0  # forwards, each in units of a step without a draft (step_costs only)
     draft_ns: list[int] = []
     tracker = AcceptanceTracker(k, draft_token_cost, min_draft_len)
+    pad_costs = {n: step_costs[n] for n in padding_lengths(min_draft_len, k)} \
+        if pad_drafts and step_costs is not None else None
     # A method that learns from served requests (``ServedReplay``) is told when each finishes.
     finished = getattr(make_draft, "finished", None)
     for n, record in enumerate(records):
@@ -72,9 +79,17 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
             size = len(proposal.tokens if isinstance(proposal, TreeDraft) else proposal)
             if too_short(size, max_len, min_draft_len):
                 proposal, size = proposal[:0], 0
+            drafted_size = size
+            if pad_costs is not None and not isinstance(proposal, TreeDraft):
+                target = min(cheapest_at_least(size, pad_costs), k)
+                if target > size:
+                    proposal = padded_draft(sequence[: len(prompt) + position],
+                                            np.asarray(proposal, dtype=np.int32), target)
+                    size = target
             draft_ns.append(time.perf_counter_ns() - start)
             accepted = accepted_length(proposal, output[position:position + size])
-            tracker.update(str(n), size, accepted)
+            # Padding's tokens are not evidence (as in the proposers).
+            tracker.update(str(n), drafted_size, min(accepted, drafted_size))
             drafted += size
             forwards += 1
             if step_costs is not None:
@@ -520,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
             rules = {"draft_token_cost": config.draft_token_cost,
                      "adaptive": config.adaptive_draft_len,
                      "min_draft_len": config.min_draft_len,
-                     "step_costs": curve(config.num_speculative_tokens)}
+                     "step_costs": curve(config.num_speculative_tokens),
+                     "pad_drafts": config.pad_drafts}
         for task in tasks:
             # A fresh factory per task: a method that learns starts each task knowing none.
             make_draft = factory(config, args.model)

@@ -36,7 +36,8 @@ class MethodRun:
     datastore: str | None = None
     #: ``tree``: drafts are token trees (``METHOD/tree``) rather than chains;
     #: ``after-sampling``: no drafts are precomputed (``METHOD/after-sampling``);
-    #: ``served-dense``: hybrid's served store with its dense half (``hybrid/served-dense``).
+    #: ``served-dense``: hybrid's served store with its dense half (``hybrid/served-dense``);
+    #: ``unpadded``: no draft padded to a cheaper length (``METHOD/unpadded``).
     variant: str = ""
 
     @property
@@ -51,7 +52,7 @@ BUILTIN_METHODS = ("ngram", "suffix")
 TREE_METHODS = ("rest", "pld", "hybrid", "dresd")
 #: ``METHOD/VARIANT`` -> the options it sets.
 VARIANTS = {"tree": {"tree": "on"}, "after-sampling": {"precompute_drafts": False},
-            "served-dense": {"served_dense": True}}
+            "served-dense": {"served_dense": True}, "unpadded": {"pad_drafts": False}}
 
 
 @dataclass
@@ -80,8 +81,9 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
         spec, _, variant = spelled.partition("/")
         if variant and variant not in VARIANTS:
             raise ValueError(f"{spelled!r}: the variants are '/tree' (token-tree drafts), "
-                             "'/after-sampling' (no drafts precomputed) and '/served-dense' "
-                             "(hybrid's served store with its dense half)")
+                             "'/after-sampling' (no drafts precomputed), '/served-dense' "
+                             "(hybrid's served store with its dense half) and '/unpadded' (no "
+                             "draft padded to a cheaper length)")
         name, _, store = spec.partition(":")
         if variant and name not in TREE_METHODS:
             raise ValueError(f"{spelled!r}: variants are for " + ", ".join(TREE_METHODS))
@@ -410,6 +412,13 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
     if precomputed:
         # Share of the requests' drafting steps served by drafts made before sampling.
         row["precomputed_share"] = round(drafting.get("precomputed_used", 0) / precomputed, 3)
+    if drafting.get("padded_drafts"):
+        # Share of the steps whose draft was padded to a cheaper length (pad_drafts), and the
+        # step times by draft length that decided it, as the engine learned them.
+        row["padded_share"] = round(drafting["padded_drafts"] / forwards, 3)
+        row["step_ms_by_draft_len"] = {
+            int(key.rsplit("_", 1)[1]): value for key, value in drafting.items()
+            if key.startswith("step_ms_draft_")}
     if drafting.get("search_ns"):
         # DReSD: share of the ANN search time that drafting did not wait for (thread pool).
         row["search_hidden"] = round(1 - drafting["search_wait_ns"] / drafting["search_ns"], 3)

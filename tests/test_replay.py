@@ -168,3 +168,22 @@ def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
     path.write_text(json.dumps({"rows": rows[1:2]}))
     with pytest.raises(ValueError, match="needs the step time with no draft"):
         measured_step_costs(str(path), 4)
+
+
+def test_replay_pads_drafts_where_its_step_costs_say_longer_is_cheaper():
+    # No draft costs 50, three or four draft tokens 45, more 60 (min_draft_len 3).
+    costs = [50.0, 60.0, 60.0, 45.0, 45.0, 60.0, 60.0, 60.0, 60.0]
+    # The output repeats the prompt: padding (the last token's earlier continuation) is right.
+    record = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 1], "output": [2, 3, 4, 5, 6, 7, 8, 1]}
+
+    def nothing(context, n):
+        return np.empty(0, dtype=np.int32)
+
+    plain = replay([record], lambda r: nothing, k=8, draft_token_cost=0.0, min_draft_len=3,
+                   step_costs=costs)
+    padded = replay([record], lambda r: nothing, k=8, draft_token_cost=0.0, min_draft_len=3,
+                    step_costs=costs, pad_drafts=True)
+    assert plain["mean_draft_len"] == 0.0 and plain["modeled_speedup"] == 1.0
+    # Padded to 3 (the first of the cheapest): 2 3 4 accepted + 5, then 6 7 8 + 1: 3 forwards.
+    assert padded["tokens_per_forward"] == round(8 / 3, 3) and padded["mean_draft_len"] == 3.0
+    assert padded["modeled_speedup"] == round(8 / (1 + 2 * 45 / 50), 3)

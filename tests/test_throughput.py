@@ -115,17 +115,19 @@ def test_tree_rows_sit_beside_the_same_methods_chain():
     assert runs[3].speculative_config["datastore"] == "/ds"
     with pytest.raises(ValueError, match="variants are for rest, pld, hybrid, dresd"):
         method_runs(["ngram/tree"], 8, {})
-    with pytest.raises(ValueError, match="the variants are '/tree' .*, '/after-sampling' .* "
-                                         "and '/served-dense'"):
+    with pytest.raises(ValueError, match="the variants are '/tree' .*, '/after-sampling' .*, "
+                                         "'/served-dense' .* and '/unpadded'"):
         method_runs(["hybrid/forest"], 8, {})
 
 
-def test_after_sampling_rows_draft_without_precomputed_drafts():
+def test_after_sampling_and_unpadded_rows_turn_one_option_off():
     from vllm_retrieval_spec.benchmarks.throughput import method_runs
 
-    runs = method_runs(["pld", "pld/after-sampling"], 8, {})
-    assert [r.label for r in runs] == ["plain", "pld", "pld/after-sampling"]
-    assert [r.speculative_config.get("precompute_drafts") for r in runs[1:]] == [None, False]
+    runs = method_runs(["pld", "pld/after-sampling", "hybrid/unpadded"], 8, {})
+    assert [r.label for r in runs] == ["plain", "pld", "pld/after-sampling", "hybrid/unpadded"]
+    assert [r.speculative_config.get("precompute_drafts") for r in runs[1:]] == [None, False,
+                                                                                 None]
+    assert [r.speculative_config.get("pad_drafts") for r in runs[1:]] == [None, None, False]
 
 
 def test_served_dense_rows_are_hybrid_with_the_dense_half():
@@ -154,3 +156,10 @@ def test_rows_count_draft_tokens_per_forward_and_plain_has_none():
     plain = _row(MethodRun("plain"), None, "chat", settings, [[1] * 6, [2] * 4],
                  [(2, 10, 0.5, 10)], 0, 0, 0, no_drafting)
     assert plain["draft_tokens_per_forward"] is None
+    assert "padded_share" not in hybrid
+    padded = _row(MethodRun("hybrid", {"method": "hybrid"}), 24, "chat", settings,
+                  [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9,
+                  {**no_drafting, "padded_drafts": 1, "step_ms_draft_0": 50.6,
+                   "step_ms_draft_4": 43.8})
+    assert padded["padded_share"] == 0.25
+    assert padded["step_ms_by_draft_len"] == {0: 50.6, 4: 43.8}

@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dresd[:NAME]; /tree after rest, pld, hybrid or dresd: the same with "
                         "token-tree drafts (e.g. hybrid/tree); /after-sampling: the same "
                         "drafting only after sampling, no drafts precomputed; "
-                        "hybrid/served-dense: with the served store's dense half")
+                        "hybrid/served-dense: with the served store's dense half; "
+                        "/unpadded: no draft padded to a cheaper length (pad_drafts off)")
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",

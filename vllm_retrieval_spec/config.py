@@ -128,6 +128,11 @@ class MethodConfig:
     #: Drafts are empty or at least this long (capped by k): shorter ones are extended along
     #: the trie's heaviest path where the method has one, else dropped.
     min_draft_len: int
+    #: Learn this engine's step time for each short draft length while one request decodes
+    #: alone, and pad a draft to a longer length where that one verifies faster
+    #: (``drafting.step_cost``): on some CPUs a step verifying 4 draft tokens is cheaper than
+    #: one verifying none. Off with tensor parallelism (ranks would time their steps apart).
+    pad_drafts: bool = True
     #: Testing aid, 0 in production: this fraction of draft attempts fails on purpose, in turn
     #: raising, drafting k + 1 tokens, drafting an id outside the vocabulary and overrunning the
     #: time budget, to show that such faults cost drafts, never the engine.

@@ -21,6 +21,7 @@ import numpy as np
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
 from vllm_retrieval_spec.drafting.overlap import NextDrafts, precompute_plan
+from vllm_retrieval_spec.drafting.step_cost import StepCostModel, padded_draft
 from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.tree_verification import is_chain, valid_tree
 from vllm_retrieval_spec.metrics import MethodMetrics
@@ -47,7 +48,19 @@ class RetrievalProposer:
         self.acceptance = (AcceptanceTracker(self.k, self.config.draft_token_cost,
                                              self.config.min_draft_len)
                            if self.config.adaptive_draft_len else None)
+        #: Request id -> length of its last draft as drafted (before ``pad_drafts``' padding).
         self.last_draft_len: dict[str, int] = {}
+        # Every tensor-parallel rank must draft alike, and each would time its steps apart.
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.step_costs = StepCostModel(self.config.min_draft_len, self.k) \
+            if self.config.pad_drafts and getattr(parallel, "world_size", 1) == 1 else None
+        #: (request id, tokens handed to vLLM, when) of the last step in which that request
+        #: decoded alone: the next ``propose`` times its verification (``step_costs``).
+        self._alone: tuple[str, int, int] | None = None
+        #: Clock of those timings, in ns.
+        self.clock = time.perf_counter_ns
+        #: Drafts padded (``step_costs``) since the stats were last reset.
+        self.padded = 0
         self.metrics = MethodMetrics(self.config.method)
         # Seeded: every tensor-parallel rank must draft the same.
         self._fault_rng = random.Random(0)
@@ -127,11 +140,18 @@ class RetrievalProposer:
     ) -> list[list[int]]:
         # Everything here is on the critical path, right after a forward that left the caches
         # cold (drafting.overlap): counters and acceptance updates wait for precompute_next.
+        now = self.clock()
         self._apply_deferred()
         self._pending = True
         self.trees = {}
         self.handed = []
         running = sum(1 for sampled in sampled_token_ids if sampled)
+        alone, self._alone = self._alone, None
+        pad = self.step_costs is not None and running == 1 and len(sampled_token_ids) == 1
+        if pad and alone is not None and self.row_req_ids == [alone[0]]:
+            # The step since the last propose verified that request's draft and nothing else.
+            self.step_costs.observe(alone[1], now - alone[2])
+        explore = self.step_costs.explore() if pad else None
         self._counts["target_forwards"] += running
         self._counts["output_tokens"] += sum(map(len, sampled_token_ids))
         if self.drafting_off(running):
@@ -152,8 +172,8 @@ class RetrievalProposer:
                                                          self.sources_state(i), ([], None))
             if made is not None:
                 self.precomputed["used"] += 1
-                self._deferred.append((req_id, self.last_draft_len.get(req_id, 0),
-                                       len(sampled) - 1))
+                drafted = self.last_draft_len.get(req_id, 0)
+                self._deferred.append((req_id, drafted, min(len(sampled) - 1, drafted)))
                 draft, tree = made
                 self._counts["lookups"] += 1
                 self._counts["empty_lookups"] += not draft
@@ -163,9 +183,9 @@ class RetrievalProposer:
                 cap = None
                 if req_id is not None and self.acceptance is not None:
                     # The tokens sampled this step are the accepted part of last step's draft
-                    # plus one the target model chose itself.
-                    self.acceptance.update(req_id, self.last_draft_len.get(req_id, 0),
-                                           len(sampled) - 1)
+                    # plus one the target model chose itself (padding's tokens not counted).
+                    drafted = self.last_draft_len.get(req_id, 0)
+                    self.acceptance.update(req_id, drafted, min(len(sampled) - 1, drafted))
                     cap = self.acceptance.cap(req_id)
                 max_len = self._max_len(num_tokens, cap)
                 draft, tree = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
@@ -174,13 +194,28 @@ class RetrievalProposer:
                 self.last_draft_len[req_id] = len(draft)
                 if tree is not None:
                     self.trees[req_id] = tree
+                elif pad:
+                    draft = self._padded(token_ids_cpu[i, :num_tokens], draft, explore)
+                    self._alone = (req_id, len(draft), 0)
                 if self.drafts_ahead:
                     # A copy: vLLM may move rows of its buffer before precompute_next runs.
                     self.handed.append((i, req_id, token_ids_cpu[i, :num_tokens].copy(),
                                         draft))
             drafts.append(draft)
         self.row_ahead = []
+        if self._alone is not None:
+            self._alone = (*self._alone[:2], self.clock())
         return drafts
+
+    def _padded(self, context: np.ndarray, draft: list[int], explore: int | None) -> list[int]:
+        """``draft`` padded to the length whose steps ``step_costs`` found cheapest among
+        those not shorter, or to ``explore`` (a length still to be measured)."""
+        target = self.step_costs.target(len(draft)) if explore is None else explore
+        target = min(target, self.k, self.max_model_len - len(context) - 1)
+        if target <= len(draft):
+            return draft
+        self.padded += 1
+        return padded_draft(context, np.asarray(draft, dtype=np.int32), target).tolist()
 
     def _max_len(self, num_tokens: int, cap: int | None) -> int:
         # Leave room for the bonus token: a draft may not push past max_model_len.
@@ -236,8 +271,11 @@ class RetrievalProposer:
                 tokens = tokens[tokens != draft[a]]
             followers.append(tokens)
             complete.append(all_found)
+        # Acceptance counts the draft as drafted: padding's tokens are not evidence.
+        drafted_len = self.last_draft_len.get(req_id, len(draft))
         caps = [None] * len(contexts) if self.acceptance is None else [
-            self.acceptance.cap_after(req_id, len(draft), a) for a in range(len(contexts))]
+            self.acceptance.cap_after(req_id, drafted_len, min(a, drafted_len))
+            for a in range(len(contexts))]
         ahead = NextDrafts(len(context), drafted, sources,
                            [self._max_len(len(context) + a + 1, caps[a])
                             for a in range(len(contexts))])
@@ -265,8 +303,13 @@ class RetrievalProposer:
         self._apply_deferred()
         stats = {**{f"failed_{kind}": n for kind, n in self.failures.items()},
                  **{f"precomputed_{kind}": n for kind, n in self.precomputed.items()}}
+        if self.step_costs is not None:
+            stats.update(self.step_costs.summary())
+        if self.padded:
+            stats["padded_drafts"] = self.padded
         if reset:
             self.precomputed.clear()
+            self.padded = 0
         return stats
 
     @property

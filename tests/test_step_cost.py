@@ -1,0 +1,144 @@
+"""Draft padding from learned step times: the cost model, the filler, and propose with a clock
+the test drives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_proposers import batch, vllm_config
+from vllm_retrieval_spec.drafting.step_cost import (
+    MIN_SAMPLES,
+    REFRESH_STEPS,
+    WARMUP_STEPS,
+    StepCostModel,
+    cheapest_at_least,
+    padded_draft,
+)
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+MS = 1_000_000
+#: Shaped like benchmarks/results/verify-cost-slow-epyc.md: 3-4 draft tokens beat none.
+DIPPED = {0: 50.6, 3: 45.0, 4: 43.8, 5: 46.0, 6: 49.0, 7: 52.0, 8: 55.4}
+#: Shaped like verify-cost-avx512.md: every draft token costs more.
+LINEAR = {n: 23.7 + 1.1 * n for n in DIPPED}
+
+
+def test_a_draft_is_padded_to_the_cheapest_length_not_shorter_than_it():
+    assert [cheapest_at_least(d, DIPPED) for d in (0, 3, 4, 5, 8)] == [4, 4, 4, 5, 8]
+    assert [cheapest_at_least(d, LINEAR) for d in (0, 3, 4, 8)] == [0, 3, 4, 8]
+    # Within the margin a median's noise could explain: not padded.
+    assert cheapest_at_least(0, {0: 50.0, 4: 49.8}) == 0
+    # No cost of its own (not measured yet): not padded.
+    assert cheapest_at_least(2, DIPPED) == 2
+
+
+def test_the_model_explores_unmeasured_lengths_after_warm_up_then_pads():
+    model = StepCostModel(min_len=3, k=24)
+    assert model.lengths == [0, 3, 4, 5, 6, 7, 8]
+    for _ in range(WARMUP_STEPS - 1):
+        model.observe(0, int(DIPPED[0] * MS))
+        assert model.explore() is None
+    model.observe(0, int(DIPPED[0] * MS))
+    explored = []
+    while (n := model.explore()) is not None:
+        explored.append(n)
+        model.observe(n, int(DIPPED[n] * MS))
+    assert explored == [n for n in model.lengths[1:] for _ in range(MIN_SAMPLES)]
+    assert model.target(0) == 4 and model.target(3) == 4 and model.target(6) == 6
+    assert model.target(20) == 20
+    assert model.summary()["step_ms_draft_4"] == 43.8
+    # Now and then the longest-unmeasured length is measured again.
+    while model.steps % REFRESH_STEPS:
+        model.observe(4, int(DIPPED[4] * MS))
+    assert model.explore() == 0
+
+
+def test_the_model_never_pads_where_draft_tokens_cost_time():
+    model = StepCostModel(min_len=1, k=8)
+    assert model.lengths == list(range(9))
+    for n in [0] * WARMUP_STEPS + [n for n in range(1, 9) for _ in range(MIN_SAMPLES)]:
+        model.observe(n, int(23.7 * MS + 1.1 * MS * n))
+    assert model.explore() is None
+    assert [model.target(d) for d in range(9)] == list(range(9))
+
+
+def test_padding_follows_the_last_tokens_earlier_occurrences():
+    context = np.asarray([5, 6, 7, 5, 6], dtype=np.int32)
+    empty = np.empty(0, dtype=np.int32)
+    # 6 was followed by 7, 7 by 5, and 5 (latest at index 3) by 6.
+    assert padded_draft(context, empty, 3).tolist() == [7, 5, 6]
+    assert padded_draft(context, np.asarray([7], dtype=np.int32), 3).tolist() == [7, 5, 6]
+    # A token never seen before is repeated.
+    assert padded_draft(context, np.asarray([9], dtype=np.int32), 3).tolist() == [9, 9, 9]
+    assert padded_draft(context, np.asarray([1, 2], dtype=np.int32), 1).tolist() == [1, 2]
+
+
+class NoDrafts(RetrievalProposer):
+    """Drafts nothing: every token it sends out is padding."""
+
+    def draft(self, context, max_len):
+        return np.empty(0, dtype=np.int32)
+
+
+class StepClock:
+    """Advances by the step time of the draft length last handed out."""
+
+    def __init__(self, curve):
+        self.curve = curve
+        self.now = 0
+
+    def __call__(self):
+        return self.now
+
+    def step(self, draft_len):
+        self.now += int(self.curve[draft_len] * MS)
+
+
+def drive(curve, steps, **options):
+    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8, **options},
+                                    max_model_len=256))
+    proposer.clock = clock = StepClock(curve)
+    context = [1, 2, 3, 1, 2, 3, 1, 2]
+    drafts = []
+    for _ in range(steps):
+        proposer.observe_batch(["r"])
+        tokens, lengths = batch(context, width=256)
+        draft = proposer.propose([[context[-1]]], lengths, tokens)[0]
+        drafts.append(draft)
+        clock.step(len(draft))
+    return proposer, drafts
+
+
+def test_propose_pads_empty_drafts_where_the_engine_verifies_four_tokens_fastest():
+    proposer, drafts = drive(DIPPED, 80)
+    # Warm-up, measuring each length, then every step at the cheapest length, 4.
+    assert drafts[:WARMUP_STEPS] == [[]] * WARMUP_STEPS
+    assert all(len(d) == 4 for d in drafts[-20:])
+    # The padding continues the context: after 2 came 3, then 1, 2, 3.
+    assert drafts[-1] == [3, 1, 2, 3]
+    stats = proposer.stats()
+    assert stats["step_ms_draft_4"] == 43.8 and stats["padded_drafts"] > 40
+    # Padding is not evidence: the acceptance estimate never saw a drafted token.
+    assert proposer.acceptance.rates == {}
+
+
+def test_propose_stops_padding_where_draft_tokens_cost_time():
+    proposer, drafts = drive(LINEAR, 80)
+    assert drafts[-20:] == [[]] * 20
+    assert proposer.stats()["padded_drafts"] == (len(LINEAR) - 1) * MIN_SAMPLES
+
+
+@pytest.mark.parametrize("options, rows", [({"pad_drafts": False}, 1), ({}, 2)])
+def test_no_padding_when_off_or_with_several_requests(options, rows):
+    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8, **options},
+                                    max_model_len=256))
+    proposer.clock = clock = StepClock(DIPPED)
+    contexts = [[1, 2, 3, 1, 2]] * rows
+    for _ in range(80):
+        proposer.observe_batch([f"r{i}" for i in range(rows)])
+        tokens, lengths = batch(*contexts, width=256)
+        drafts = proposer.propose([[2]] * rows, lengths, tokens)
+        assert drafts == [[]] * rows
+        clock.step(0)
+    assert "padded_drafts" not in proposer.stats()

