@@ -84,11 +84,9 @@ def datastore(tmp_path_factory) -> str:
 
 
 def _proposer(kind: str, datastore: str, precompute: bool):
-    # No time budget: a draft dropped for being slow on a busy machine is no mismatch; no
-    # padding, which follows this machine's step times.
+    # No time budget: a draft dropped for being slow on a busy machine is no mismatch.
     options = {"num_speculative_tokens": 6, "precompute_drafts": precompute,
-               "min_prefix_prob": 0.0, "min_draft_len": 1, "draft_budget_ms": 0,
-               "pad_drafts": False}
+               "min_prefix_prob": 0.0, "min_draft_len": 1, "draft_budget_ms": 0}
     if kind == "pld":
         return PldProposer(vllm_config({"method": "pld", **options}, WIDTH))
     if kind == "rest":

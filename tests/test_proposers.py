@@ -17,7 +17,9 @@ VOCAB = 100
 
 
 def vllm_config(options: dict, max_model_len: int = 64):
-    config = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
+    # No padding unless a test asks for it: it follows this machine's step times
+    # (tests/test_step_cost.py drives it with a clock of its own).
+    config = parse_speculative_config({"pad_drafts": False, **options}, VLLM_CPU_DEFAULTS)
     return SimpleNamespace(
         additional_config={PLUGIN_KEY: config.to_dict()},
         speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),

@@ -96,8 +96,8 @@ class StepClock:
 
 
 def drive(curve, steps, **options):
-    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8, **options},
-                                    max_model_len=256))
+    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8,
+                                     "pad_drafts": True, **options}, max_model_len=256))
     proposer.clock = clock = StepClock(curve)
     context = [1, 2, 3, 1, 2, 3, 1, 2]
     drafts = []
@@ -129,10 +129,10 @@ def test_propose_stops_padding_where_draft_tokens_cost_time():
     assert proposer.stats()["padded_drafts"] == (len(LINEAR) - 1) * MIN_SAMPLES
 
 
-@pytest.mark.parametrize("options, rows", [({"pad_drafts": False}, 1), ({}, 2)])
-def test_no_padding_when_off_or_with_several_requests(options, rows):
-    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8, **options},
-                                    max_model_len=256))
+@pytest.mark.parametrize("pad, rows", [(False, 1), (True, 2)])
+def test_no_padding_when_off_or_with_several_requests(pad, rows):
+    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8,
+                                     "pad_drafts": pad}, max_model_len=256))
     proposer.clock = clock = StepClock(DIPPED)
     contexts = [[1, 2, 3, 1, 2]] * rows
     for _ in range(80):
