@@ -142,3 +142,40 @@ def test_no_padding_when_off_or_with_several_requests(pad, rows):
         assert drafts == [[]] * rows
         clock.step(0)
     assert "padded_drafts" not in proposer.stats()
+
+
+def test_padded_drafts_are_the_same_with_and_without_precomputed_drafts():
+    """Step after step with the clock of a dipped curve: the padded draft vLLM verified is what
+    the precomputed drafts of the next step are keyed by, and they stay exact."""
+    from vllm_retrieval_spec.proposers.pld import PldProposer
+
+    # Random text with a few exact repeats: many steps have no draft of their own.
+    rng = np.random.default_rng(0)
+    truth = rng.integers(10, 90, 200).tolist()
+    truth[120:150] = truth[20:50]
+    runs = []
+    for precompute in (False, True):
+        proposer = PldProposer(vllm_config(
+            {"method": "pld", "num_speculative_tokens": 8, "pad_drafts": True,
+             "precompute_drafts": precompute, "draft_budget_ms": 0}, max_model_len=320))
+        proposer.clock = clock = StepClock(DIPPED)
+        drafts = []
+        position = 6
+        sampled = [truth[position - 1]]
+        while position < len(truth) - 8:
+            proposer.observe_batch(["r"])
+            tokens, lengths = batch(truth[:position], width=320)
+            draft = proposer.propose([sampled], lengths, tokens)[0]
+            proposer.precompute_next()
+            drafts.append(draft)
+            clock.step(len(draft))
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
+                accepted += 1
+            sampled = truth[position:position + accepted + 1]
+            position += accepted + 1
+        runs.append((drafts, dict(proposer.acceptance.rates)))
+        assert proposer.padded > 0
+        if precompute:
+            assert proposer.precomputed["used"] > 0
+    assert runs[0] == runs[1]
