@@ -35,7 +35,8 @@ class MethodRun:
     speculative_config: dict[str, Any] | None = None
     datastore: str | None = None
     #: ``tree``: drafts are token trees (``METHOD/tree``) rather than chains;
-    #: ``after-sampling``: no drafts are precomputed (``METHOD/after-sampling``);
+    #: ``after-sampling``: drafts are made only after sampling: none precomputed or made from
+    #: the logits (``METHOD/after-sampling``);
     #: ``served-dense``: hybrid's served store with its dense half (``hybrid/served-dense``);
     #: ``unpadded``: no draft padded to a cheaper length (``METHOD/unpadded``).
     variant: str = ""
@@ -51,7 +52,8 @@ BUILTIN_METHODS = ("ngram", "suffix")
 #: Ours that can draft token trees.
 TREE_METHODS = ("rest", "pld", "hybrid", "dresd")
 #: ``METHOD/VARIANT`` -> the options it sets.
-VARIANTS = {"tree": {"tree": "on"}, "after-sampling": {"precompute_drafts": False},
+VARIANTS = {"tree": {"tree": "on"}, "after-sampling": {"precompute_drafts": False,
+                                                         "draft_before_sampling": False},
             "served-dense": {"served_dense": True}, "unpadded": {"pad_drafts": False}}
 
 
@@ -81,7 +83,7 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
         spec, _, variant = spelled.partition("/")
         if variant and variant not in VARIANTS:
             raise ValueError(f"{spelled!r}: the variants are '/tree' (token-tree drafts), "
-                             "'/after-sampling' (no drafts precomputed), '/served-dense' "
+                             "'/after-sampling' (drafts only after sampling), '/served-dense' "
                              "(hybrid's served store with its dense half) and '/unpadded' (no "
                              "draft padded to a cheaper length)")
         name, _, store = spec.partition(":")

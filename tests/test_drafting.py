@@ -149,7 +149,7 @@ def test_select_draft_obeys_the_tree_option():
     base = dict(num_speculative_tokens=8, datastore="x", draft_budget_ms=1.0,
                 draft_token_cost=0.05, disable_by_batch_size=0, min_draft_len=1,
                 prior_weight=0.0, min_prefix_prob=0.5, tree_min_prob=0.3,
-                    precompute_drafts=False)
+                precompute_drafts=False, draft_before_sampling=False)
     chain = select_draft(cands, lengths, np.ones(3), 8, RestConfig(**base))
     assert chain.tolist() == [1, 2, 3]
     tree = select_draft(cands, lengths, np.ones(3), 8, RestConfig(**base, tree="on"))

@@ -12,6 +12,7 @@ from vllm_retrieval_spec.datastore.suffix_array import build_suffix_array, suffi
 from vllm_retrieval_spec.drafting.overlap import (
     NextDrafts,
     context_followers,
+    greedy_sampled,
     precompute_plan,
     rank_followers,
 )
@@ -177,3 +178,78 @@ def test_a_request_drafts_alike_with_and_without_precomputed_drafts(kind, datast
         if precompute:
             assert proposer.precomputed["used"] > len(drafts) // 2
     assert runs[0] == runs[1]
+
+
+def test_greedy_sampled_is_the_accepted_draft_and_the_bonus_token():
+    def logits(*argmax: int) -> np.ndarray:
+        rows = np.zeros((len(argmax), 10), dtype=np.float32)
+        rows[np.arange(len(argmax)), argmax] = 1.0
+        return rows
+
+    assert greedy_sampled([5, 6, 7], logits(5, 6, 9, 1)) == [5, 6, 9]
+    assert greedy_sampled([5, 6, 7], logits(5, 6, 7, 1)) == [5, 6, 7, 1]  # all accepted
+    assert greedy_sampled([5, 6, 7], logits(4, 6, 7, 1)) == [4]
+    assert greedy_sampled([], logits(8)) == [8]  # no draft: the plain step's token
+    # Ties go to the first maximum, as torch's argmax (vLLM's greedy sampler) does.
+    assert greedy_sampled([3], np.ones((2, 10), dtype=np.float32)) == [0]
+    class FirstRowOnly:
+        def __getitem__(self, row):
+            assert row == 0, "rows after the first rejection must not be read"
+            return logits(4)[0]
+
+    assert greedy_sampled([5, 6], FirstRowOnly()) == [4]
+
+
+def _decode_drafting_before_sampling(proposer, truth: list[int], start: int, wrong_every: int):
+    """Decode ``truth`` greedily as vLLM would, handing the proposer each step's sampled tokens
+    before sampling (``draft_before_sampling``, as the plugin does from the logits) when
+    ``wrong_every`` is nonzero, with a wrong bonus token every ``wrong_every``-th step; returns
+    every draft."""
+    drafts = []
+    position = start
+    draft: list[int] = []
+    sampled = [truth[position - 1]]
+    step = 0
+    while position < len(truth) - 8:
+        proposer.observe_batch(["r"])
+        if wrong_every:
+            step += 1
+            told = sampled if step % wrong_every else sampled[:-1] + [sampled[-1] + 1]
+            before, _ = batch(truth[:position - len(sampled)], width=WIDTH)
+            proposer.draft_before_sampling([told], [draft], np.array([position - len(sampled)]),
+                                           before)
+        tokens, lengths = batch(truth[:position], width=WIDTH)
+        draft = proposer.propose([sampled], lengths, tokens)[0]
+        drafts.append(draft)
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
+            accepted += 1
+        sampled = truth[position:position + accepted + 1]
+        position += accepted + 1
+    return drafts
+
+
+@pytest.mark.parametrize("kind", ["pld", "rest", "hybrid"])
+def test_drafts_made_before_sampling_equal_drafting_after_it(kind, datastore):
+    """Step after step, drafts made from the tokens a greedy request will sample (before vLLM
+    samples) are exactly the drafts made after sampling, acceptance caps included; a step
+    whose sampled tokens differ from those drafted for is drafted after sampling."""
+    truth = (CONTEXT * 3)[:WIDTH - 4]
+    truth[40:44] = [12, 13, 9, 9]
+    runs = {}
+    for wrong_every in (0, 1000, 3):
+        proposer = _proposer(kind, datastore, precompute=False)
+        assert proposer.drafts_from_logits
+        drafts = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every)
+        proposer.stats()  # applies the last step's deferred acceptance update
+        rates = proposer.acceptance and dict(proposer.acceptance.rates)
+        runs[wrong_every] = (drafts, rates, dict(proposer.precomputed))
+        getattr(proposer, "close", lambda: None)()
+    drafts, rates, counts = runs[0]
+    assert sum(map(len, drafts)) > 10, "the text must draft for this test to mean anything"
+    assert counts == {}
+    for wrong_every in (1000, 3):
+        assert runs[wrong_every][:2] == (drafts, rates), wrong_every
+    steps = len(drafts)  # the first one too: the prefill's logits give its sampled token
+    assert runs[1000][2] == {"used": steps}
+    assert runs[3][2]["missed"] == steps // 3 and runs[3][2]["used"] == steps - steps // 3

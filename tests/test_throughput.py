@@ -127,6 +127,8 @@ def test_after_sampling_and_unpadded_rows_turn_one_option_off():
     assert [r.label for r in runs] == ["plain", "pld", "pld/after-sampling", "hybrid/unpadded"]
     assert [r.speculative_config.get("precompute_drafts") for r in runs[1:]] == [None, False,
                                                                                  None]
+    assert [r.speculative_config.get("draft_before_sampling") for r in runs[1:]] == [
+        None, False, None]
     assert [r.speculative_config.get("pad_drafts") for r in runs[1:]] == [None, None, False]
 
 

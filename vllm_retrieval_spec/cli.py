@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "hybrid[:NAME] (without NAME: the served store and the context only), "
                         "dresd[:NAME]; /tree after rest, pld, hybrid or dresd: the same with "
                         "token-tree drafts (e.g. hybrid/tree); /after-sampling: the same "
-                        "drafting only after sampling, no drafts precomputed; "
+                        "drafting only after sampling (none precomputed or made from the logits); "
                         "hybrid/served-dense: with the served store's dense half; "
                         "/unpadded: no draft padded to a cheaper length (pad_drafts off)")
     p.add_argument("--datastore", action="append",

@@ -58,6 +58,8 @@ class PlatformDefaults:
     #: Make each request's possible next drafts before its sampled tokens are known
     #: (``drafting.overlap``).
     precompute_drafts: bool
+    #: Draft for greedy requests from the step's logits, before vLLM samples.
+    draft_before_sampling: bool
 
     def for_options(self, names: set[str]) -> dict[str, Any]:
         """The defaults among ``names`` (a method's option names)."""
@@ -82,9 +84,11 @@ class PlatformDefaults:
 #: - precompute_drafts off: the forward uses every core here, so precomputing is not overlapped
 #:   with anything; it cut drafting's critical part by half or more but made hybrid's steps 2-7%
 #:   slower on four tasks, pld's -2% to +4% (benchmarks/results/precomputed-drafts.md).
+#: - draft_before_sampling on: one draft per greedy request, made before sampling instead of
+#:   after it; the extra work is one argmax over the step's logits.
 VLLM_CPU_DEFAULTS = PlatformDefaults(
     name="vllm-cpu", draft_budget_ms=5.0, draft_token_cost=0.055, disable_by_batch_size=6,
-    min_draft_len=3, min_similarity=0.7, precompute_drafts=False)
+    min_draft_len=3, min_similarity=0.7, precompute_drafts=False, draft_before_sampling=True)
 
 #: For GPUs, where a forward is 3-20 ms and verifying 64 tokens costs little more than one (not
 #: measured by this project: no GPU with vLLM was available; run `vllm-rsd calibrate` there):
@@ -96,9 +100,11 @@ VLLM_CPU_DEFAULTS = PlatformDefaults(
 #: - min_draft_len 1: the CPU's penalty on 1-token drafts comes from vLLM-CPU's kernels.
 #: - min_similarity 0.0: the PLD+ paper's best threshold on an A100 (its Table 7).
 #: - precompute_drafts on: the drafts are made while the host waits for the launched forward.
+#: - draft_before_sampling off: reading the logits' argmax on the host before sampling would
+#:   wait for the device there; the precomputed drafts already leave only a lookup.
 ACCELERATOR_DEFAULTS = PlatformDefaults(
     name="accelerator", draft_budget_ms=1.0, draft_token_cost=0.01, disable_by_batch_size=0,
-    min_draft_len=1, min_similarity=0.0, precompute_drafts=True)
+    min_draft_len=1, min_similarity=0.0, precompute_drafts=True, draft_before_sampling=False)
 
 
 def platform_defaults(is_cpu: bool) -> PlatformDefaults:
@@ -142,6 +148,11 @@ class MethodConfig:
     #: that drafting after sampling is a lookup. Methods whose drafts need the step's hidden
     #: states (DReSD, PLD+, hybrid with a dense index) draft after sampling as before.
     precompute_drafts: bool
+    #: A greedy request's tokens sampled this step are the argmax of the step's logits along
+    #: its draft, known before vLLM's sampler runs: its next draft is made then, and drafting
+    #: after sampling only checks that the sampled tokens are the ones drafted for
+    #: (``drafting.overlap.greedy_sampled``). Same methods as ``precompute_drafts``.
+    draft_before_sampling: bool
     #: At most this many precomputed drafts per request and step; the likeliest first.
     precompute_max_drafts: int = 32
 

@@ -28,7 +28,9 @@ Otherwise:
 - ``Worker.shutdown``: closes the drafter first (hybrid saves its served store there).
 - ``GPUModelRunner._sample``: before sampling, tells our drafters the batch's request ids,
   which may get trees and, for hybrid's ``served_store: "per_request"``, each request's
-  ``served_store_key`` (``observe_batch``): no sampled token is needed for that.
+  ``served_store_key`` (``observe_batch``): no sampled token is needed for that. With
+  ``draft_before_sampling``, it also hands over what each greedy request will sample (the
+  logits' argmax along its draft), and the drafter makes its next draft then.
 - ``GPUModelRunner._prepare_inputs``, ``GPUModelRunner._sample`` and, on CPU,
   ``CPUAttentionBackendImpl.forward``: token-tree drafts are verified (``tree_verification``):
   depth positions, tree-masked attention of the draft rows, the longest accepted root path, and
@@ -311,6 +313,7 @@ def _with_tree_acceptance(sample: Callable) -> Callable:
         global _trees_in_flight
         if self.speculative_config is not None:
             _observe_batch(self)
+            _draft_before_sampling(self, logits, spec_decode_metadata)
         verifier = self.__dict__.get("_rsd_tree_verifier")
         if verifier is None or verifier.step is None or spec_decode_metadata is None:
             return sample(self, logits, spec_decode_metadata)
@@ -498,6 +501,46 @@ def _observe_batch(runner: Any) -> None:
             served_store_key(runner.requests[r].sampling_params) for r in req_ids])
     else:
         observe_batch(req_ids, tree_rows)
+    _drafting_timer(runner).add_before(time.perf_counter_ns() - start)
+
+
+def _draft_before_sampling(runner: Any, logits: Any, spec_decode_metadata: Any) -> None:
+    """Hand our drafter what each greedy request will sample (the argmax of its rows of the
+    logits along its draft), so it drafts now rather than after sampling
+    (``draft_before_sampling``)."""
+    drafter = runner.__dict__.get("drafter")
+    if not getattr(drafter, "drafts_from_logits", False) or logits is None:
+        return
+    from vllm_retrieval_spec.drafting.overlap import greedy_sampled
+    from vllm_retrieval_spec.tree_verification import tree_eligible
+
+    start = time.perf_counter_ns()
+    req_ids = runner.input_batch.req_ids
+    greedy = [tree_eligible(runner.requests[r].sampling_params) for r in req_ids]
+    if any(greedy):
+        if spec_decode_metadata is None:
+            num_drafts = [0] * len(req_ids)
+            flat: list[int] = []
+        else:
+            num_drafts = spec_decode_metadata.num_draft_tokens
+            flat = spec_decode_metadata.draft_token_ids.tolist()
+        import torch
+
+        # A request's rows of the logits are contiguous: one after each draft token's
+        # predecessor (the root first), then the bonus row (``_calc_spec_decode_metadata``).
+        rows = logits.detach().cpu()
+        rows = (rows if rows.dtype in (torch.float32, torch.float64) else rows.float()).numpy()
+        sampled: list[list[int] | None] = []
+        verified: list[list[int]] = []
+        row = drafted = 0
+        for i, n in enumerate(num_drafts):
+            draft = flat[drafted:drafted + n]
+            verified.append(draft)
+            sampled.append(greedy_sampled(draft, rows[row:row + n + 1]) if greedy[i] else None)
+            row += n + 1
+            drafted += n
+        drafter.draft_before_sampling(sampled, verified, runner.input_batch.num_tokens_no_spec,
+                                      runner.input_batch.token_ids_cpu)
     _drafting_timer(runner).add_before(time.perf_counter_ns() - start)
 
 

@@ -51,9 +51,9 @@ class StepCostModel:
         #: Observed step at which each length was last measured.
         self.last_seen = dict.fromkeys(self.lengths, -1)
         self.steps = 0
-        #: ``targets[d]``: the length a d-token draft is padded to (d itself: not padded).
-        self.targets = list(range(MAX_PAD_LEN + 1))
-        self._stale = False
+        #: ``targets[d]``: the length a d-token draft is padded to, for the lengths asked
+        #: since the medians last changed.
+        self.targets: dict[int, int] = {}
 
     def observe(self, draft_len: int, step_ns: int) -> None:
         """A step that verified ``draft_len`` draft tokens took ``step_ns``."""
@@ -69,7 +69,7 @@ class StepCostModel:
                 middle = len(ordered) // 2
                 self.medians[draft_len] = float(ordered[middle]) if len(ordered) % 2 else \
                     (ordered[middle - 1] + ordered[middle]) / 2
-                self._stale = True
+                self.targets.clear()
 
     def explore(self) -> int | None:
         """A length to pad to this step so that it is measured, or None."""
@@ -86,10 +86,11 @@ class StepCostModel:
         """The length a ``draft_len``-token draft should go out with (at least ``draft_len``)."""
         if draft_len > MAX_PAD_LEN:
             return draft_len
-        if self._stale:
-            self._stale = False
-            self.targets = [cheapest_at_least(d, self.medians) for d in range(MAX_PAD_LEN + 1)]
-        return self.targets[draft_len]
+        target = self.targets.get(draft_len)
+        if target is None:
+            # Only the length asked for: this runs inside propose, on the critical path.
+            target = self.targets[draft_len] = cheapest_at_least(draft_len, self.medians)
+        return target
 
     def summary(self) -> dict[str, float]:
         """Learned medians in ms, for ``stats``."""

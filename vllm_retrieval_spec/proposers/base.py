@@ -69,10 +69,9 @@ class RetrievalProposer:
         #: overran its time budget, by kind (see ``_fail``).
         self.failures: Counter[str] = Counter()
         self.precompute = self.config.precompute_drafts and not self.config.inject_faults
-        #: Whether this step's contexts are kept for ``precompute_next``: not where drafts need
-        #: the hidden states of the step they are for (``followers`` is None).
-        self.drafts_ahead = self.precompute and type(self).followers is not \
-            RetrievalProposer.followers
+        #: Whether drafts can be made before the step they are for has run: not where they need
+        #: its hidden states (``followers`` is None; hybrid with a dense source).
+        self.drafts_without_states = type(self).followers is not RetrievalProposer.followers
         #: This step's (row, request id, context, draft) for ``precompute_next``.
         self.handed: list[tuple[int, str, np.ndarray, list[int]]] = []
         #: Request id -> its drafts for the next step (``precompute_next``).
@@ -89,6 +88,17 @@ class RetrievalProposer:
         #: Counts for ``self.metrics`` not yet published.
         self._counts = dict.fromkeys(
             ("target_forwards", "output_tokens", "lookups", "empty_lookups"), 0)
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether this step's contexts are kept for ``precompute_next``."""
+        return self.precompute and self.drafts_without_states
+
+    @property
+    def drafts_from_logits(self) -> bool:
+        """Whether the plugin calls ``draft_before_sampling`` (``draft_before_sampling``)."""
+        return self.config.draft_before_sampling and self.drafts_without_states \
+            and not self.config.inject_faults
 
     def load_model(self, model: Any) -> None:
         """The CPU runner hands over the target model; retrieval needs none by default."""
@@ -130,6 +140,42 @@ class RetrievalProposer:
             self.last_draft_len = {r: n for r, n in self.last_draft_len.items() if r in present}
             if self.acceptance is not None:
                 self.acceptance.forget_except(present)
+
+    def draft_before_sampling(self, sampled: list[list[int] | None], verified: list[list[int]],
+                              num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> None:
+        """This step's drafts, made before vLLM samples: batch row i will sample ``sampled[i]``
+        (a greedy request's argmax along its draft, ``drafting.overlap.greedy_sampled``; None
+        where not known) after verifying ``verified[i]``, and has ``num_tokens_no_spec[i]``
+        tokens before them. Each draft is kept as that row's only precomputed draft, so
+        ``propose`` hands it out if the row sampled exactly those tokens and drafts as before
+        otherwise. Rows with trees or with precomputed drafts already are left alone."""
+        rows = len(sampled)
+        if self.drafting_off(sum(1 for tokens in sampled if tokens)):
+            return
+        if len(self.row_ahead) < rows:
+            self.row_ahead = self.row_ahead + [None] * (rows - len(self.row_ahead))
+        for i, tokens in enumerate(sampled):
+            if not tokens or i >= len(self.row_req_ids) or self.row_ahead[i] is not None:
+                continue
+            req_id = self.row_req_ids[i]
+            if req_id in self.trees:
+                # The tree verifier picks the accepted path; it need not follow the chain.
+                continue
+            base = int(num_tokens_no_spec[i])
+            context = np.concatenate([token_ids_cpu[i, :base],
+                                      np.asarray(tokens, dtype=token_ids_cpu.dtype)])
+            a = len(tokens) - 1
+            # As propose's update for a precomputed step: acceptance of the draft as drafted.
+            drafted = self.last_draft_len.get(req_id, 0)
+            cap = None if self.acceptance is None else \
+                self.acceptance.cap_after(req_id, drafted, min(a, drafted))
+            max_len = self._max_len(len(context), cap)
+            ahead = NextDrafts(base, verified[i], self.sources_state(i),
+                               [max_len] * (len(verified[i]) + 1),
+                               complete=[False] * (len(verified[i]) + 1))
+            ahead.drafts[a, tokens[-1]] = self._checked_draft(i, context, max_len) \
+                if max_len > 0 else ([], None)
+            self.row_ahead[i] = ahead
 
     def propose(
         self,

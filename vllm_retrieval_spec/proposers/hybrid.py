@@ -183,8 +183,7 @@ class HybridProposer(RestProposer):
         #: The served tokens' final hidden states (``served_dense``), fed by ``served_requests``.
         self.served_dense: ServedDenseStore | None = None
         # Dense candidates come from the state the forward computes for the next token.
-        self.drafts_ahead = self.drafts_ahead and self.dense is None \
-            and not self.config.served_dense
+        self.drafts_without_states = self.dense is None and not self.config.served_dense
         #: This step's (states, rows) until the first row that needs a query projects them.
         self.last_states: tuple[Any, list[int]] | None = None
         #: This step's (states, rows), kept for ``served_dense`` after the queries are made.
