@@ -23,10 +23,12 @@ def spec_llm(request, model_dir, plain_outputs):
     # drafts, so verification meets many of them in these short runs (rest's and pld's tries
     # seldom branch above the default threshold).
     tree = {"tree": "on", "tree_min_prob": 0.05} if variant else {}
-    # Chains draft from precomputed drafts where the method can (not pld_plus, or hybrid with
-    # a dense index; dresd searches every candidate state before sampling); trees at the
-    # platform's default.
-    precompute = {} if variant else {"precompute_drafts": True}
+    # Chains draft ahead where the method can (not pld_plus, or hybrid with a dense index):
+    # pld from drafts precomputed for every possible outcome, rest from the logits before
+    # sampling (draft_before_sampling, the vLLM-CPU default); dresd searches every candidate
+    # state before sampling. Trees at the platform's defaults.
+    ahead = {"pld": {"precompute_drafts": True, "draft_before_sampling": False}, "rest": {}}
+    precompute = {} if variant else ahead.get(method, {"precompute_drafts": True})
     spec = {"method": method, "num_speculative_tokens": K, **tree, **precompute}
     if method == "rest":
         spec["datastore"] = request.getfixturevalue("code_datastore")
@@ -58,7 +60,8 @@ def test_greedy_equals_plain_one_request_at_a_time(request, spec_llm, code_promp
     method = request.node.callspec.params["spec_llm"]
     stats = spec_llm.collective_rpc("rsd_drafting_stats")[0]
     if method in ("rest", "pld"):
-        # Most steps were drafted before their sampled tokens were known.
+        # Most steps were drafted before their sampled tokens were known (rest: before vLLM
+        # sampled them, from the logits).
         used = stats.get("precomputed_used", 0) - stats_before.get("precomputed_used", 0)
         assert used > len(code_prompts) * 2
     if method == "dresd":

@@ -52,6 +52,12 @@ def test_the_model_explores_unmeasured_lengths_after_warm_up_then_pads():
     while model.steps % REFRESH_STEPS:
         model.observe(4, int(DIPPED[4] * MS))
     assert model.explore() == 0
+    # ... and asked for until a step verifies that length (drafts are never cut for it).
+    for _ in range(3):
+        model.observe(4, int(DIPPED[4] * MS))
+        assert model.explore() == 0
+    model.observe(0, int(DIPPED[0] * MS))
+    assert model.explore() is None
 
 
 def test_the_model_never_pads_where_draft_tokens_cost_time():

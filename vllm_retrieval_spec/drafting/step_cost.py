@@ -32,7 +32,9 @@ MIN_SAMPLES = 5
 #: Steps observed before any length is explored: the engine's first steps are its slowest.
 WARMUP_STEPS = 16
 #: Every this many observed steps, the length whose newest sample is oldest is measured again,
-#: so a curve that drifts (longer contexts, another load on the machine) is followed.
+#: so a curve that drifts (longer contexts, another load on the machine) is followed; it stays
+#: asked for until a step verifies that length (no draft is cut to be measured, so no draft
+#: length can be measured before a step drafts that many tokens or fewer).
 REFRESH_STEPS = 128
 #: A longer draft must be at least this much cheaper than the draft as it is. Small: a median
 #: of 15 steps varies by about 1%, and at equal cost padding still adds chances of acceptance.
@@ -50,6 +52,8 @@ class StepCostModel:
         self.medians: dict[int, float] = {}
         #: Observed step at which each length was last measured.
         self.last_seen = dict.fromkeys(self.lengths, -1)
+        #: The length a refresh asks for until it is measured (``REFRESH_STEPS``).
+        self.refresh: int | None = None
         self.steps = 0
         #: ``targets[d]``: the length a d-token draft is padded to, for the lengths asked
         #: since the medians last changed.
@@ -58,6 +62,8 @@ class StepCostModel:
     def observe(self, draft_len: int, step_ns: int) -> None:
         """A step that verified ``draft_len`` draft tokens took ``step_ns``."""
         self.steps += 1
+        if draft_len == self.refresh:
+            self.refresh = None
         samples = self.samples.get(draft_len)
         if samples is not None:
             samples.append(step_ns)
@@ -78,9 +84,9 @@ class StepCostModel:
         for n in self.lengths:
             if len(self.samples[n]) < MIN_SAMPLES:
                 return n
-        if self.steps % REFRESH_STEPS == 0:
-            return min(self.lengths, key=lambda n: self.last_seen[n])
-        return None
+        if self.steps % REFRESH_STEPS == 0 and self.refresh is None:
+            self.refresh = min(self.lengths, key=lambda n: self.last_seen[n])
+        return self.refresh
 
     def target(self, draft_len: int) -> int:
         """The length a ``draft_len``-token draft should go out with (at least ``draft_len``)."""

@@ -255,8 +255,10 @@ class RetrievalProposer:
 
     def _padded(self, context: np.ndarray, draft: list[int], explore: int | None) -> list[int]:
         """``draft`` padded to the length whose steps ``step_costs`` found cheapest among
-        those not shorter, or to ``explore`` (a length still to be measured)."""
-        target = self.step_costs.target(len(draft)) if explore is None else explore
+        those not shorter, or to ``explore`` (a length still to be measured) when the draft
+        is not longer than that."""
+        target = explore if explore is not None and explore >= len(draft) \
+            else self.step_costs.target(len(draft))
         target = min(target, self.k, self.max_model_len - len(context) - 1)
         if target <= len(draft):
             return draft
