@@ -516,7 +516,9 @@ def _draft_before_sampling(runner: Any, logits: Any, spec_decode_metadata: Any) 
 
     start = time.perf_counter_ns()
     req_ids = runner.input_batch.req_ids
-    greedy = [tree_eligible(runner.requests[r].sampling_params) for r in req_ids]
+    # With a tree verifier, ``_observe_batch`` has just asked the same of every row.
+    greedy = drafter.tree_rows if len(drafter.tree_rows) == len(req_ids) else [
+        tree_eligible(runner.requests[r].sampling_params) for r in req_ids]
     if any(greedy):
         if spec_decode_metadata is None:
             num_drafts = [0] * len(req_ids)
