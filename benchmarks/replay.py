@@ -52,7 +52,7 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
     """
     from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
     from vllm_retrieval_spec.drafting.step_cost import (
-        cheapest_at_least, padded_draft, padding_lengths)
+        cheapest_at_least, pad_to, padding_lengths)
     from vllm_retrieval_spec.drafting.tree import TreeDraft
 
     output_tokens = forwards = drafted = 0
@@ -81,11 +81,10 @@ def replay(records: list[dict[str, list[int]]], make_draft: DraftFactory, k: int
                 proposal, size = proposal[:0], 0
             drafted_size = size
             if pad_costs is not None and not isinstance(proposal, TreeDraft):
-                target = min(cheapest_at_least(size, pad_costs), k)
-                if target > size:
-                    proposal = padded_draft(sequence[: len(prompt) + position],
-                                            np.asarray(proposal, dtype=np.int32), target)
-                    size = target
+                proposal = pad_to(sequence[: len(prompt) + position],
+                                  np.asarray(proposal, dtype=np.int32),
+                                  min(cheapest_at_least(size, pad_costs), k))
+                size = len(proposal)
             draft_ns.append(time.perf_counter_ns() - start)
             accepted = accepted_length(proposal, output[position:position + size])
             # Padding's tokens are not evidence (as in the proposers).

@@ -523,6 +523,83 @@ def test_dresd_search_ahead_drafts_what_searching_after_sampling_drafts(clustere
     assert after.ahead is None
 
 
+def _decode_with_states(proposer, truth, at, states, before_sampling):
+    """Decode ``truth`` (store tokens; ``truth[q]`` is at store position ``at[q]``) greedily
+    from token 12 as the plugin drives a proposer: each step the forward's states of the rows
+    vLLM samples (``search_ahead``), then, if ``before_sampling``, the step's sampled tokens
+    from the logits (``draft_before_sampling``), then after sampling the state that predicted
+    each row's last token (``record_last_hidden_states``) and ``propose``. Returns the drafts."""
+    drafts = []
+    draft: list[int] = []
+    position = 12
+    sampled = [int(truth[position - 1])]
+    while position < len(truth) - 5:
+        base = position - len(sampled)
+        verified = draft
+        # The root's state (it predicted the first sampled token), then each draft token's;
+        # a rejected draft token's state is one the store has nowhere near.
+        rows = [states[at[base - 1]]] + [
+            states[at[base + j]] if token == truth[base + j] else states[(at[base + j] + 4096)
+                                                                         % len(states)]
+            for j, token in enumerate(verified)]
+        candidates = torch.from_numpy(np.stack(rows))
+        proposer.observe_batch(["r"])
+        proposer.search_ahead(candidates)
+        if before_sampling:
+            proposer.draft_before_sampling([sampled], [verified], np.array([base]),
+                                           truth[None, :base].astype(np.int32))
+        proposer.record_last_hidden_states(candidates, [len(sampled) - 1])
+        draft = proposer.propose([sampled], np.array([position]),
+                                 truth[None, :position].astype(np.int32))[0]
+        drafts.append(draft)
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
+            accepted += 1
+        sampled = truth[position:position + accepted + 1].tolist()
+        position += accepted + 1
+    return drafts
+
+
+@pytest.mark.parametrize("method, precompute", [("dresd", False), ("dresd", True),
+                                                ("hybrid", False)])
+def test_dense_drafts_made_before_sampling_equal_drafting_after_it(clustered_store, monkeypatch,
+                                                                   method, precompute):
+    """Step after step, a greedy request's draft made before vLLM samples (from the state
+    that predicted its last sampled token, known from the logits) is the draft made after
+    sampling, and after sampling nothing is searched again."""
+    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+
+    path, states = clustered_store
+    tokens = np.asarray(DenseIndex.from_path(path).tokens)
+    # The store's text from position 90, then from 3000: the drafts' luck runs out there.
+    at = np.concatenate([np.arange(90, 120), np.arange(3000, 3030)])
+    truth = tokens[at]
+    runs = {}
+    for before_sampling in (False, True):
+        options = {"draft_budget_ms": 0, "precompute_drafts": precompute,
+                   "draft_before_sampling": before_sampling}
+        proposer = dresd_proposer(path, min_prefix_prob=0.0, **options) if method == "dresd" \
+            else make_proposer(HybridProposer, hybrid_config(path, **options))
+        assert proposer.drafts_from_logits == before_sampling
+        index = proposer.index if method == "dresd" else proposer.dense
+        searches = []
+        search = index.search
+        monkeypatch.setattr(index, "search", lambda q, n: searches.append(len(q)) or search(q, n))
+        drafts = _decode_with_states(proposer, truth, at, states, before_sampling)
+        runs[before_sampling] = drafts
+        assert proposer.num_failed_drafts == 0
+        if before_sampling:
+            assert proposer.precomputed == {"used": len(drafts)}
+        if method == "dresd":
+            # One search a step: ahead, all candidate states at once; else the last state's.
+            assert len(searches) == len(drafts)
+        else:
+            assert 0 < len(searches) <= len(drafts)
+        monkeypatch.undo()
+    assert runs[True] == runs[False]
+    assert sum(map(len, runs[True])) > 20, "the text must draft for this test to mean anything"
+
+
 def test_dresd_search_over_budget_costs_the_draft(clustered_store, monkeypatch):
     path, states = clustered_store
     proposer = dresd_proposer(path, draft_budget_ms=10.0)

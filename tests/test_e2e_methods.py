@@ -23,10 +23,11 @@ def spec_llm(request, model_dir, plain_outputs):
     # drafts, so verification meets many of them in these short runs (rest's and pld's tries
     # seldom branch above the default threshold).
     tree = {"tree": "on", "tree_min_prob": 0.05} if variant else {}
-    # Chains draft ahead where the method can (not pld_plus, or hybrid with a dense index):
-    # pld from drafts precomputed for every possible outcome, rest from the logits before
+    # Chains draft ahead where the method can (not pld_plus): pld from drafts precomputed for
+    # every possible outcome, rest and hybrid (with a dense index) from the logits before
     # sampling (draft_before_sampling, the vLLM-CPU default); dresd searches every candidate
-    # state before sampling. Trees at the platform's defaults.
+    # state before sampling, then drafts from the logits too. Trees at the platform's
+    # defaults.
     ahead = {"pld": {"precompute_drafts": True, "draft_before_sampling": False}, "rest": {}}
     precompute = {} if variant else ahead.get(method, {"precompute_drafts": True})
     spec = {"method": method, "num_speculative_tokens": K, **tree, **precompute}
@@ -59,9 +60,9 @@ def test_greedy_equals_plain_one_request_at_a_time(request, spec_llm, code_promp
     assert outputs == plain_outputs
     method = request.node.callspec.params["spec_llm"]
     stats = spec_llm.collective_rpc("rsd_drafting_stats")[0]
-    if method in ("rest", "pld"):
-        # Most steps were drafted before their sampled tokens were known (rest: before vLLM
-        # sampled them, from the logits).
+    if method in ("rest", "pld", "dresd", "hybrid"):
+        # Most steps were drafted before their sampled tokens were known (rest, dresd and
+        # hybrid: before vLLM sampled them, from the logits and the forward's states).
         used = stats.get("precomputed_used", 0) - stats_before.get("precomputed_used", 0)
         assert used > len(code_prompts) * 2
     if method == "dresd":

@@ -150,26 +150,41 @@ def test_no_padding_when_off_or_with_several_requests(pad, rows):
     assert "padded_drafts" not in proposer.stats()
 
 
-def test_padded_drafts_are_the_same_with_and_without_precomputed_drafts():
-    """Step after step with the clock of a dipped curve: the padded draft vLLM verified is what
-    the precomputed drafts of the next step are keyed by, and they stay exact."""
+def test_padded_drafts_are_the_same_with_and_without_drafting_ahead(monkeypatch):
+    """Step after step with the clock of a dipped curve: the padded drafts are the same when
+    drafted after sampling, precomputed (the padded draft vLLM verified is what the next
+    step's precomputed drafts are keyed by) or made before sampling (its padding too: after
+    sampling no padding is made, only its length chosen)."""
+    from vllm_retrieval_spec.drafting import step_cost
     from vllm_retrieval_spec.proposers.pld import PldProposer
 
+    padded_after_sampling = []
+    made = step_cost.padded_draft
+    monkeypatch.setattr(step_cost, "padded_draft",
+                        lambda *args: padded_after_sampling.append(1) or made(*args))
     # Random text with a few exact repeats: many steps have no draft of their own.
     rng = np.random.default_rng(0)
     truth = rng.integers(10, 90, 200).tolist()
     truth[120:150] = truth[20:50]
-    runs = []
-    for precompute in (False, True):
+    runs = {}
+    for ahead in ("after", "precompute", "before"):
+        padded_after_sampling.clear()
         proposer = PldProposer(vllm_config(
             {"method": "pld", "num_speculative_tokens": 8, "pad_drafts": True,
-             "precompute_drafts": precompute, "draft_budget_ms": 0}, max_model_len=320))
+             "precompute_drafts": ahead == "precompute",
+             "draft_before_sampling": ahead == "before", "draft_budget_ms": 0},
+            max_model_len=320))
         proposer.clock = clock = StepClock(DIPPED)
         drafts = []
         position = 6
+        draft: list[int] = []
         sampled = [truth[position - 1]]
         while position < len(truth) - 8:
             proposer.observe_batch(["r"])
+            if ahead == "before":
+                before, _ = batch(truth[:position - len(sampled)], width=320)
+                proposer.draft_before_sampling([sampled], [draft],
+                                               np.array([position - len(sampled)]), before)
             tokens, lengths = batch(truth[:position], width=320)
             draft = proposer.propose([sampled], lengths, tokens)[0]
             proposer.precompute_next()
@@ -180,8 +195,14 @@ def test_padded_drafts_are_the_same_with_and_without_precomputed_drafts():
                 accepted += 1
             sampled = truth[position:position + accepted + 1]
             position += accepted + 1
-        runs.append((drafts, dict(proposer.acceptance.rates)))
-        assert proposer.padded > 0
-        if precompute:
+        proposer.stats()  # applies the last step's deferred acceptance update
+        runs[ahead] = (drafts, dict(proposer.acceptance.rates))
+        assert proposer.padded > 20
+        if ahead != "after":
             assert proposer.precomputed["used"] > 0
-    assert runs[0] == runs[1]
+        if ahead == "before":
+            assert proposer.precomputed == {"used": len(drafts)}
+            assert padded_after_sampling == []
+        else:
+            assert len(padded_after_sampling) == proposer.padded
+    assert runs["after"] == runs["precompute"] == runs["before"]

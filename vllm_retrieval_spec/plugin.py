@@ -22,8 +22,11 @@ Otherwise:
   over), ``GPUModelRunner._model_forward`` elsewhere (once the next forward is launched): our
   drafter makes the next step's possible drafts (``precompute_next``, ``drafting.overlap``).
 - ``GPUModelRunner._prepare_inputs`` and ``GPUModelRunner._model_forward``: right after the
-  forward, a drafter that searches hidden states (DReSD, with ``precompute_drafts``) starts
-  searching every state that may be a request's last one (``search_ahead``), before sampling.
+  forward, a drafter that searches hidden states (DReSD, hybrid with a dense source) gets the
+  states of the rows vLLM samples (``search_ahead``): DReSD, with ``precompute_drafts``,
+  starts searching every state that may be a request's last one, and with
+  ``draft_before_sampling`` both draft from the one that predicted a greedy request's last
+  token before vLLM samples.
 - ``Worker.rsd_drafting_stats`` (added): lets ``LLM.collective_rpc`` read those timings.
 - ``Worker.shutdown``: closes the drafter first (hybrid saves its served store there).
 - ``GPUModelRunner._sample``: before sampling, tells our drafters the batch's request ids,
@@ -606,17 +609,25 @@ def _keeping_logits_indices(prepare_inputs: Callable) -> Callable:
     @functools.wraps(prepare_inputs)
     def wrapper(self, scheduler_output, num_scheduled_tokens):
         result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
-        if hasattr(self.__dict__.get("drafter"), "search_ahead"):
+        if _searches_ahead(self.__dict__.get("drafter")):
             self._rsd_logits_indices = result[0]
         return result
 
     return wrapper
 
 
+def _searches_ahead(drafter: Any) -> bool:
+    """Whether ``drafter`` gets the forward's hidden states of the rows vLLM samples
+    (``search_ahead``): DReSD, and hybrid with a dense source."""
+    return hasattr(drafter, "search_ahead") and not drafter.drafts_without_states
+
+
 def _searching_ahead_after(model_forward: Callable) -> Callable:
-    """After the forward, a drafter with ``search_ahead`` (DReSD) gets the hidden states of the
-    rows vLLM will sample: any of them may be a request's last state once the draft tokens
-    are verified, and the search of all of them need not wait for that."""
+    """After the forward, a drafter with ``search_ahead`` (DReSD, hybrid with a dense source)
+    gets the hidden states of the rows vLLM will sample: any of them may be a request's last
+    state once the draft tokens are verified, so DReSD's search of all of them need not wait
+    for that, and with ``draft_before_sampling`` the one a greedy request needs is known from
+    the logits, before vLLM samples."""
 
     @functools.wraps(model_forward)
     def wrapper(self, *args, **kwargs):

@@ -124,13 +124,18 @@ class NextDrafts:
     #: Identity of the sources' state the drafts were made from (e.g. the served store's
     #: snapshot): a different state could draft differently, so the drafts are not used.
     sources: Any
-    #: ``max_len`` each accepted length ``a`` drafts with (its acceptance cap included).
-    max_lens: list[int]
+    #: ``max_len`` each accepted length ``a`` drafts with (its acceptance cap included; None
+    #: for the lengths nothing was drafted for).
+    max_lens: list[int | None]
     #: ``(a, b)`` -> what drafting for ``context + draft[:a] + [b]`` returned.
     drafts: dict[tuple[int, int], Any] = field(default_factory=dict)
     #: ``complete[a]``: every ``b`` that can draft anything after ``a`` accepted tokens is in
     #: ``drafts``; any other drafts nothing.
     complete: list[bool] = field(default_factory=list)
+    #: ``(a, b)`` -> that draft already extended as far as ``pad_drafts`` may pad it
+    #: (``drafting.step_cost.padded_draft``), where it was made before sampling: after
+    #: sampling, padding only chooses how much of it goes out.
+    padded: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     def take(self, sampled: list[int], num_tokens: int, sources: Any, nothing: Any) -> Any:
         """What drafting would return now that the request sampled ``sampled`` (the accepted

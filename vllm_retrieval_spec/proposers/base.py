@@ -21,12 +21,25 @@ import numpy as np
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
 from vllm_retrieval_spec.drafting.overlap import NextDrafts, precompute_plan
-from vllm_retrieval_spec.drafting.step_cost import StepCostModel, padded_draft
+from vllm_retrieval_spec.drafting.step_cost import (
+    MAX_PAD_LEN, StepCostModel, pad_to, padded_draft)
 from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.tree_verification import is_chain, valid_tree
 from vllm_retrieval_spec.metrics import MethodMetrics
 
 logger = logging.getLogger(__name__)
+
+
+def last_state_rows(sampled: list[list[int] | None], verified: list[list[int]]) -> list[int]:
+    """Row of a step's sampled hidden states (or logits) that predicted batch row i's last
+    token, when it samples ``sampled[i]`` after verifying the chain ``verified[i]`` (-1 where
+    ``sampled[i]`` is not known): each request has the root's row, then one per draft token."""
+    rows = []
+    start = 0
+    for tokens, draft in zip(sampled, verified):
+        rows.append(start + len(tokens) - 1 if tokens else -1)
+        start += len(draft) + 1
+    return rows
 
 
 class RetrievalProposer:
@@ -72,6 +85,9 @@ class RetrievalProposer:
         #: Whether drafts can be made before the step they are for has run: not where they need
         #: its hidden states (``followers`` is None; hybrid with a dense source).
         self.drafts_without_states = type(self).followers is not RetrievalProposer.followers
+        #: The hidden states of the rows vLLM samples this step (``search_ahead``, called by
+        #: the plugin right after the forward), until ``draft_before_sampling`` uses them.
+        self.forward_states: Any = None
         #: This step's (row, request id, context, draft) for ``precompute_next``.
         self.handed: list[tuple[int, str, np.ndarray, list[int]]] = []
         #: Request id -> its drafts for the next step (``precompute_next``).
@@ -96,9 +112,10 @@ class RetrievalProposer:
 
     @property
     def drafts_from_logits(self) -> bool:
-        """Whether the plugin calls ``draft_before_sampling`` (``draft_before_sampling``)."""
-        return self.config.draft_before_sampling and self.drafts_without_states \
-            and not self.config.inject_faults
+        """Whether the plugin calls ``draft_before_sampling`` (``draft_before_sampling``):
+        drafts that need the step's hidden states get them from ``search_ahead``."""
+        return self.config.draft_before_sampling and not self.config.inject_faults and (
+            self.drafts_without_states or hasattr(self, "search_ahead"))
 
     def load_model(self, model: Any) -> None:
         """The CPU runner hands over the target model; retrieval needs none by default."""
@@ -148,10 +165,22 @@ class RetrievalProposer:
         where not known) after verifying ``verified[i]``, and has ``num_tokens_no_spec[i]``
         tokens before them. Each draft is kept as that row's only precomputed draft, so
         ``propose`` hands it out if the row sampled exactly those tokens and drafts as before
-        otherwise. Rows with trees or with precomputed drafts already are left alone."""
+        otherwise. Rows with trees or with precomputed drafts already are left alone. Where
+        ``propose`` will pad the draft (``pad_drafts``), the padding is made now too."""
         rows = len(sampled)
+        states, self.forward_states = self.forward_states, None
         if self.drafting_off(sum(1 for tokens in sampled if tokens)):
             return
+        if not self.drafts_without_states:
+            if states is None:
+                return
+            # The state that predicted each row's last sampled token: the logits' rows are the
+            # states' rows (the root's, then one per draft token, request after request). Only
+            # drafters with ``search_ahead`` get here, and they record states.
+            self.record_last_hidden_states(  # type: ignore[attr-defined]
+                states, last_state_rows(sampled, verified))
+        # propose pads the drafts of a request decoding alone.
+        pad = self.step_costs is not None and rows == 1
         if len(self.row_ahead) < rows:
             self.row_ahead = self.row_ahead + [None] * (rows - len(self.row_ahead))
         for i, tokens in enumerate(sampled):
@@ -170,11 +199,16 @@ class RetrievalProposer:
             cap = None if self.acceptance is None else \
                 self.acceptance.cap_after(req_id, drafted, min(a, drafted))
             max_len = self._max_len(len(context), cap)
-            ahead = NextDrafts(base, verified[i], self.sources_state(i),
-                               [max_len] * (len(verified[i]) + 1),
+            max_lens: list[int | None] = [None] * (len(verified[i]) + 1)
+            max_lens[a] = max_len
+            ahead = NextDrafts(base, verified[i], self.sources_state(i), max_lens,
                                complete=[False] * (len(verified[i]) + 1))
-            ahead.drafts[a, tokens[-1]] = self._checked_draft(i, context, max_len) \
+            made = ahead.drafts[a, tokens[-1]] = self._checked_draft(i, context, max_len) \
                 if max_len > 0 else ([], None)
+            longest = self._pad_limit(len(context))
+            if pad and made[1] is None and longest > len(made[0]):
+                ahead.padded[a, tokens[-1]] = padded_draft(
+                    context, np.asarray(made[0], dtype=np.int32), longest)
             self.row_ahead[i] = ahead
 
     def propose(
@@ -221,11 +255,13 @@ class RetrievalProposer:
                 drafted = self.last_draft_len.get(req_id, 0)
                 self._deferred.append((req_id, drafted, min(len(sampled) - 1, drafted)))
                 draft, tree = made
+                extended = ahead.padded.get((len(sampled) - 1, sampled[-1]))
                 self._counts["lookups"] += 1
                 self._counts["empty_lookups"] += not draft
             else:
                 if ahead is not None:
                     self.precomputed["missed"] += 1
+                extended = None
                 cap = None
                 if req_id is not None and self.acceptance is not None:
                     # The tokens sampled this step are the accepted part of last step's draft
@@ -241,7 +277,8 @@ class RetrievalProposer:
                 if tree is not None:
                     self.trees[req_id] = tree
                 elif pad:
-                    draft = self._padded(token_ids_cpu[i, :num_tokens], draft, explore)
+                    draft = self._padded(token_ids_cpu[i, :num_tokens], draft, explore,
+                                         extended)
                     self._alone = (req_id, len(draft), 0)
                 if self.drafts_ahead:
                     # A copy: vLLM may move rows of its buffer before precompute_next runs.
@@ -253,17 +290,22 @@ class RetrievalProposer:
             self._alone = (*self._alone[:2], self.clock())
         return drafts
 
-    def _padded(self, context: np.ndarray, draft: list[int], explore: int | None) -> list[int]:
+    def _padded(self, context: np.ndarray, draft: list[int], explore: int | None,
+                extended: np.ndarray | None) -> list[int]:
         """``draft`` padded to the length whose steps ``step_costs`` found cheapest among
         those not shorter, or to ``explore`` (a length still to be measured) when the draft
-        is not longer than that."""
+        is not longer than that; ``extended``: its padding made before sampling, if any."""
         target = explore if explore is not None and explore >= len(draft) \
             else self.step_costs.target(len(draft))
-        target = min(target, self.k, self.max_model_len - len(context) - 1)
+        target = min(target, self._pad_limit(len(context)))
         if target <= len(draft):
             return draft
         self.padded += 1
-        return padded_draft(context, np.asarray(draft, dtype=np.int32), target).tolist()
+        return pad_to(context, np.asarray(draft, dtype=np.int32), target, extended).tolist()
+
+    def _pad_limit(self, num_tokens: int) -> int:
+        """The longest a draft after ``num_tokens`` tokens may be padded to."""
+        return min(MAX_PAD_LEN, self.k, self.max_model_len - num_tokens - 1)
 
     def _max_len(self, num_tokens: int, cap: int | None) -> int:
         # Leave room for the bonus token: a draft may not push past max_model_len.

@@ -93,7 +93,9 @@ class DresdProposer(RetrievalProposer):
     request's last one (the root's and each draft token's: which one depends on how many draft
     tokens are accepted) is projected and searched in the pool while vLLM computes the logits,
     samples and does its bookkeeping; once the sampled tokens are known each request keeps the
-    search of its own state.
+    search of its own state. With ``draft_before_sampling`` a greedy request's last state is
+    known from the logits: it is searched (or its search ahead taken) and the draft made
+    before vLLM samples (``RetrievalProposer.draft_before_sampling``).
     """
 
     config: DresdConfig
@@ -112,15 +114,21 @@ class DresdProposer(RetrievalProposer):
         #: This step's search of every candidate state (``search_ahead``) and their number.
         self.ahead: Future | None = None
         self.ahead_rows = 0
-        #: Steps whose searches started before sampling ("ahead") or after it ("after").
+        #: Steps whose searches ran in the pool from right after the forward ("ahead") or
+        #: started once the rows' last states were known ("after").
         self.searched: Counter[str] = Counter()
+        #: The rows this step's searches are for (``record_last_hidden_states``).
+        self.searched_rows: list[int] | None = None
         # Compile the numba functions now rather than inside the first decoding step.
         dresd_draft(self.index, np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32), 0,
                     self.k, self.config)
 
     def search_ahead(self, candidates: Any) -> None:
         """Start projecting and searching ``candidates`` (the rows of the step's sampled hidden
-        states, [m, H]) in the pool, before the sampled tokens are known."""
+        states, [m, H]) in the pool, before the sampled tokens are known (with
+        ``precompute_drafts``); they are kept for ``draft_before_sampling``."""
+        self.forward_states = candidates
+        self.searched_rows = None
         if not self.precompute:
             return
         self.ahead = self.pool.submit(self._project_and_search, candidates)
@@ -136,6 +144,10 @@ class DresdProposer(RetrievalProposer):
         when it searched these states; else projects them and starts the searches: one batched
         search inline for a single request, else a few chunks in the thread pool, so that rows
         whose chunk is done are voted while the rest is still searched."""
+        if rows == self.searched_rows:
+            # Searched before sampling (``draft_before_sampling``), for the same rows.
+            return
+        self.searched_rows = rows
         self.row_chunk = [None] * len(rows)
         self.chunks = []
         ahead, self.ahead = self.ahead, None
@@ -165,6 +177,11 @@ class DresdProposer(RetrievalProposer):
                                else self.pool.submit(self._search, chunk))
             for j, i in enumerate(valid[lo:hi]):
                 self.row_chunk[i] = (c, j)
+
+    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
+        super().observe_batch(req_ids, tree_rows)
+        # A new step (also where nothing was searched ahead): its states are searched anew.
+        self.searched_rows = None
 
     def _search(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         start = time.perf_counter_ns()

@@ -294,6 +294,12 @@ class HybridProposer(RestProposer):
             served["served_dense_hits"] = self.served_dense.hits
         return {**super().stats(reset), **served}
 
+    def search_ahead(self, candidates: Any) -> None:
+        """The hidden states of the rows vLLM samples, right after the forward (the plugin
+        calls this only with a dense source): kept for ``draft_before_sampling``, which
+        queries with the one that predicted each row's last sampled token."""
+        self.forward_states = candidates
+
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         if self.dense is not None or self.served_dense is not None:
             self.last_states = self.step_states = (states, rows)
