@@ -27,7 +27,7 @@ from vllm_retrieval_spec.datastore.dense import (
     write_dense_index,
 )
 from vllm_retrieval_spec.datastore.format import load_datastore
-from vllm_retrieval_spec.plugin import _last_state_rows
+from vllm_retrieval_spec.drafting.overlap import last_state_rows
 from vllm_retrieval_spec.proposers.dresd import dresd_draft, matching_continuations
 
 HIDDEN = 48
@@ -394,16 +394,14 @@ def test_dresd_draft_votes_by_similarity(tmp_path):
 
 
 def test_last_state_rows():
-    class Metadata:
-        num_draft_tokens = [3, 0, 2, 4]
-
+    num_drafts = [3, 0, 2, 4]
     # Row blocks: 4, 1, 3, 5 rows; accepted counts 2, 1, 0 (partial prefill), 5.
     sampled = [[1, 2], [3], [], [4, 5, 6, 7, 8]]
-    assert _last_state_rows(sampled, Metadata(), {}) == [1, 4, -1, 12]
-    assert _last_state_rows([[1], [2]], None, {}) == [0, 1]
+    assert last_state_rows(sampled, num_drafts) == [1, 4, -1, 12]
+    assert last_state_rows([[1], [2]], [0, 0]) == [0, 1]
     # Row 0 drafted a tree: its 2 sampled tokens are node 2 (accepted) and the bonus, so the
     # bonus came from node 2's state, row 0 + 1 + 2; row 3's tree accepted nothing: its root.
-    assert _last_state_rows(sampled, Metadata(), {0: 2, 3: -1}) == [3, 4, -1, 8]
+    assert last_state_rows(sampled, num_drafts, {0: 2, 3: -1}) == [3, 4, -1, 8]
 
 
 @pytest.mark.parametrize("options, message", [

@@ -563,9 +563,13 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         record_last = getattr(self.__dict__.get("drafter"), "record_last_hidden_states", None)
         if record_last is not None:
             verifier = self.__dict__.get("_rsd_tree_verifier")
+            from vllm_retrieval_spec.drafting.overlap import last_state_rows
+
+            num_drafts = spec_decode_metadata.num_draft_tokens if spec_decode_metadata \
+                else [0] * len(sampled_token_ids)
             record_last(sample_hidden_states,
-                        _last_state_rows(sampled_token_ids, spec_decode_metadata,
-                                         verifier.last_nodes if verifier else {}))
+                        last_state_rows(sampled_token_ids, num_drafts,
+                                        verifier.last_nodes if verifier else None))
         drafts = propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                          sampling_metadata, hidden_states, sample_hidden_states,
                                          aux_hidden_states, spec_decode_metadata, *args, **kwargs)
@@ -649,24 +653,6 @@ def _searching_ahead_after(model_forward: Callable) -> Callable:
         return output
 
     return wrapper
-
-
-def _last_state_rows(sampled_token_ids: list[list[int]], spec_decode_metadata: Any,
-                     tree_last_nodes: dict[int, int]) -> list[int]:
-    """Row of ``sample_hidden_states`` holding the state that produced each batch row's last
-    sampled token (-1 where nothing was sampled): one row per request without drafts, else
-    ``num_draft_tokens + 1`` rows per request: the root's, then each draft node's. A chain's
-    accepted nodes come first; a tree row's last accepted node is in ``tree_last_nodes``."""
-    rows = []
-    start = 0
-    for i, sampled in enumerate(sampled_token_ids):
-        if sampled and i in tree_last_nodes:
-            rows.append(start + 1 + tree_last_nodes[i])
-        else:
-            rows.append(start + len(sampled) - 1 if sampled else -1)
-        drafted = spec_decode_metadata.num_draft_tokens[i] if spec_decode_metadata else 0
-        start += drafted + 1
-    return rows
 
 
 def _accepted_state_segments(runner: Any, scheduler_output: Any,

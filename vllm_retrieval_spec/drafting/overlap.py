@@ -98,6 +98,25 @@ def greedy_sampled(draft: list[int], logits: np.ndarray) -> list[int]:
         a += 1
 
 
+def last_state_rows(sampled: list[list[int] | None], num_drafts: list[int],
+                    tree_last_nodes: dict[int, int] | None = None) -> list[int]:
+    """Row of a step's sampled hidden states (the logits' rows) holding the state that
+    produced batch row i's last sampled token (-1 where ``sampled[i]`` is empty or not
+    known): each request has ``num_drafts[i] + 1`` rows, the root's, then each draft node's.
+    A chain's accepted nodes come first; a tree row's last accepted node (-1: the root) is in
+    ``tree_last_nodes``."""
+    tree_last_nodes = tree_last_nodes or {}
+    rows = []
+    start = 0
+    for i, tokens in enumerate(sampled):
+        if tokens and i in tree_last_nodes:
+            rows.append(start + 1 + tree_last_nodes[i])
+        else:
+            rows.append(start + len(tokens) - 1 if tokens else -1)
+        start += num_drafts[i] + 1
+    return rows
+
+
 def precompute_plan(followers: list[np.ndarray], budget: int) -> list[tuple[int, int]]:
     """``(a, b)`` pairs to draft for, at most ``budget``: each accepted length's most frequent
     follower first, then each one's second, and so on; the full acceptance (the last ``a``)

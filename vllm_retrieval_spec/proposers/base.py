@@ -20,7 +20,7 @@ import numpy as np
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
-from vllm_retrieval_spec.drafting.overlap import NextDrafts, precompute_plan
+from vllm_retrieval_spec.drafting.overlap import NextDrafts, last_state_rows, precompute_plan
 from vllm_retrieval_spec.drafting.step_cost import (
     MAX_PAD_LEN, StepCostModel, pad_to, padded_draft)
 from vllm_retrieval_spec.drafting.tree import TreeDraft
@@ -28,18 +28,6 @@ from vllm_retrieval_spec.tree_verification import is_chain, valid_tree
 from vllm_retrieval_spec.metrics import MethodMetrics
 
 logger = logging.getLogger(__name__)
-
-
-def last_state_rows(sampled: list[list[int] | None], verified: list[list[int]]) -> list[int]:
-    """Row of a step's sampled hidden states (or logits) that predicted batch row i's last
-    token, when it samples ``sampled[i]`` after verifying the chain ``verified[i]`` (-1 where
-    ``sampled[i]`` is not known): each request has the root's row, then one per draft token."""
-    rows = []
-    start = 0
-    for tokens, draft in zip(sampled, verified):
-        rows.append(start + len(tokens) - 1 if tokens else -1)
-        start += len(draft) + 1
-    return rows
 
 
 class RetrievalProposer:
@@ -178,7 +166,7 @@ class RetrievalProposer:
             # states' rows (the root's, then one per draft token, request after request). Only
             # drafters with ``search_ahead`` get here, and they record states.
             self.record_last_hidden_states(  # type: ignore[attr-defined]
-                states, last_state_rows(sampled, verified))
+                states, last_state_rows(sampled, [len(draft) for draft in verified]))
         # propose pads the drafts of a request decoding alone.
         pad = self.step_costs is not None and rows == 1
         if len(self.row_ahead) < rows:
