@@ -526,7 +526,8 @@ def _decode_with_states(proposer, truth, at, states, before_sampling):
     from token 12 as the plugin drives a proposer: each step the forward's states of the rows
     vLLM samples (``search_ahead``), then, if ``before_sampling``, the step's sampled tokens
     from the logits (``draft_before_sampling``), then after sampling the state that predicted
-    each row's last token (``record_last_hidden_states``) and ``propose``. Returns the drafts."""
+    each row's last token (``record_last_hidden_states``), ``propose`` and, after the handover,
+    ``precompute_next``. Returns the drafts."""
     drafts = []
     draft: list[int] = []
     position = 12
@@ -549,6 +550,7 @@ def _decode_with_states(proposer, truth, at, states, before_sampling):
         proposer.record_last_hidden_states(candidates, [len(sampled) - 1])
         draft = proposer.propose([sampled], np.array([position]),
                                  truth[None, :position].astype(np.int32))[0]
+        proposer.precompute_next()  # as the plugin does once the drafts are handed over
         drafts.append(draft)
         accepted = 0
         while accepted < len(draft) and draft[accepted] == truth[position + accepted]:

@@ -200,7 +200,8 @@ def test_greedy_sampled_is_the_accepted_draft_and_the_bonus_token():
     assert greedy_sampled([5, 6], FirstRowOnly()) == [4]
 
 
-def _decode_drafting_before_sampling(proposer, truth: list[int], start: int, wrong_every: int):
+def _decode_drafting_before_sampling(proposer, truth: list[int], start: int, wrong_every: int,
+                                     req_id: str = "r"):
     """Decode ``truth`` greedily as vLLM would, handing the proposer each step's sampled tokens
     before sampling (``draft_before_sampling``, as the plugin does from the logits) when
     ``wrong_every`` is nonzero, with a wrong bonus token every ``wrong_every``-th step; returns
@@ -211,7 +212,7 @@ def _decode_drafting_before_sampling(proposer, truth: list[int], start: int, wro
     sampled = [truth[position - 1]]
     step = 0
     while position < len(truth) - 8:
-        proposer.observe_batch(["r"])
+        proposer.observe_batch([req_id])
         if wrong_every:
             step += 1
             told = sampled if step % wrong_every else sampled[:-1] + [sampled[-1] + 1]
@@ -220,6 +221,7 @@ def _decode_drafting_before_sampling(proposer, truth: list[int], start: int, wro
                                            before)
         tokens, lengths = batch(truth[:position], width=WIDTH)
         draft = proposer.propose([sampled], lengths, tokens)[0]
+        proposer.precompute_next()  # as the plugin does once the drafts are handed over
         drafts.append(draft)
         accepted = 0
         while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
@@ -253,3 +255,34 @@ def test_drafts_made_before_sampling_equal_drafting_after_it(kind, datastore):
     steps = len(drafts)  # the first one too: the prefill's logits give its sampled token
     assert runs[1000][2] == {"used": steps}
     assert runs[3][2]["missed"] == steps // 3 and runs[3][2]["used"] == steps - steps // 3
+
+
+def test_served_store_learns_alike_when_drafting_before_sampling(datastore):
+    """A request drafted before sampling is recorded for the served store after the handover,
+    from its tokens copied before sampling: the store holds what drafting after sampling
+    stores, and the next request drafts alike from it."""
+    truth = (CONTEXT * 3)[:WIDTH - 4]
+    truth[40:44] = [12, 13, 9, 9]
+    runs = {}
+    for wrong_every in (0, 1000):
+        proposer = HybridProposer(vllm_config(
+            {"method": "hybrid", "num_speculative_tokens": 6, "min_prefix_prob": 0.0,
+             "min_draft_len": 1, "draft_budget_ms": 0}, WIDTH))
+        first = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every, "r1")
+        proposer.observe_batch([])  # r1 has finished
+        assert proposer.served.wait_indexed()
+        stored = [d.tolist() for d in proposer.served.documents()]
+        second = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every, "r2")
+        proposer.stats()
+        runs[wrong_every] = (first, stored, second, dict(proposer.precomputed))
+        proposer.close()
+    assert runs[1000][:3] == runs[0][:3]
+    # r1's prompt and every token it had when it last drafted, as the store keeps them.
+    position = 4
+    for draft in runs[0][0][:-1]:
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
+            accepted += 1
+        position += accepted + 1
+    assert runs[0][1] == [truth[:position]]
+    assert runs[1000][3] == {"used": len(runs[0][0]) + len(runs[0][2])}

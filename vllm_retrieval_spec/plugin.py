@@ -20,7 +20,8 @@ Otherwise:
   PLD+) or each request's last final hidden state (``record_last_hidden_states``, DReSD).
 - ``GPUModelRunner._copy_draft_token_ids_to_cpu`` on vLLM-CPU (once the drafts are handed
   over), ``GPUModelRunner._model_forward`` elsewhere (once the next forward is launched): our
-  drafter makes the next step's possible drafts (``precompute_next``, ``drafting.overlap``).
+  drafter does the bookkeeping ``propose`` left for later and makes the next step's possible
+  drafts (``precompute_next``, ``drafting.overlap``).
 - ``GPUModelRunner._prepare_inputs`` and ``GPUModelRunner._model_forward``: right after the
   forward, a drafter that searches hidden states (DReSD, hybrid with a dense source) gets the
   states of the rows vLLM samples (``search_ahead``): DReSD, with ``precompute_drafts``,
@@ -560,8 +561,9 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
             self.drafter.record_hidden_states(
                 list(self.input_batch.req_ids), aux_hidden_states,
                 _accepted_state_segments(self, scheduler_output, sampled_token_ids))
-        record_last = getattr(self.__dict__.get("drafter"), "record_last_hidden_states", None)
-        if record_last is not None:
+        drafter = self.__dict__.get("drafter")
+        record_last = getattr(drafter, "record_last_hidden_states", None)
+        if record_last is not None and not drafter.drafts_without_states:
             verifier = self.__dict__.get("_rsd_tree_verifier")
             from vllm_retrieval_spec.drafting.overlap import last_state_rows
 
@@ -575,12 +577,11 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
                                          aux_hidden_states, spec_decode_metadata, *args, **kwargs)
         elapsed = time.perf_counter_ns() - start
         _drafting_timer(self).record(elapsed)
-        drafter = self.__dict__.get("drafter")
         metrics = getattr(drafter, "metrics", None)
         if metrics is not None:
             metrics.drafting_critical_seconds.observe(elapsed / 1e9)
-            if not drafter.handed:
-                # Nothing to precompute: this step's drafting is done.
+            if not drafter.work_after_handover:
+                # Nothing to precompute or to book: this step's drafting is done.
                 metrics.drafting_seconds.observe(_drafting_timer(self).last_total_ns() / 1e9)
         return drafts
 
@@ -588,14 +589,15 @@ def _timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
 
 
 def _precomputing_after(method: Callable) -> Callable:
-    """After ``method``, our drafter makes the next step's possible drafts."""
+    """After ``method``, our drafter does the bookkeeping ``propose`` left for later and makes
+    the next step's possible drafts."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         result = method(self, *args, **kwargs)
         drafter = self.__dict__.get("drafter")
         precompute_next = getattr(drafter, "precompute_next", None)
-        if precompute_next is not None and drafter.handed:
+        if precompute_next is not None and drafter.work_after_handover:
             start = time.perf_counter_ns()
             precompute_next()
             timer = _drafting_timer(self)

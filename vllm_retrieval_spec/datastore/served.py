@@ -348,7 +348,8 @@ class ServedRequests:
                 num_tokens: np.ndarray, token_ids: np.ndarray,
                 keys: Sequence[str | None] | None = None,
                 states: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None) -> None:
-        """Record this step's tokens of every row that sampled (rows are ``req_ids``' order).
+        """Record this step's tokens of every row that sampled (rows are ``req_ids``' order;
+        ``token_ids[i]`` holds row i's tokens, at least its ``num_tokens[i]``).
         With ``KeyedServedStores``, ``keys`` names each row's store; rows without a key are
         not recorded. ``states[i]``: row i's final hidden states of this step and the context
         positions they are at (for the dense store)."""
@@ -369,7 +370,7 @@ class ServedRequests:
                 # is the prompt.
                 prompt_len = n - len(sampled) if known is None else known[0]
                 buffer = np.empty(max(2 * n, 64), dtype=np.int32)
-                buffer[:n] = token_ids[i, :n]
+                buffer[:n] = token_ids[i][:n]
                 # Resumed after preemption: its context is recomputed, its states start over.
                 self.states.pop(req_id, None)
             else:
@@ -377,7 +378,7 @@ class ServedRequests:
                 if n > len(buffer):
                     buffer = np.concatenate([buffer[:length],
                                              np.empty(max(n, len(buffer)), dtype=np.int32)])
-                buffer[length:n] = token_ids[i, length:n]
+                buffer[length:n] = token_ids[i][length:n]
             self.running[req_id] = (prompt_len, buffer, n)
             if self.dense is not None and states is not None and i < len(states) \
                     and states[i] is not None:

@@ -143,18 +143,13 @@ class NextDrafts:
     #: Identity of the sources' state the drafts were made from (e.g. the served store's
     #: snapshot): a different state could draft differently, so the drafts are not used.
     sources: Any
-    #: ``max_len`` each accepted length ``a`` drafts with (its acceptance cap included; None
-    #: for the lengths nothing was drafted for).
-    max_lens: list[int | None]
+    #: ``max_len`` each accepted length ``a`` drafts with (its acceptance cap included).
+    max_lens: list[int]
     #: ``(a, b)`` -> what drafting for ``context + draft[:a] + [b]`` returned.
     drafts: dict[tuple[int, int], Any] = field(default_factory=dict)
     #: ``complete[a]``: every ``b`` that can draft anything after ``a`` accepted tokens is in
     #: ``drafts``; any other drafts nothing.
     complete: list[bool] = field(default_factory=list)
-    #: ``(a, b)`` -> that draft already extended as far as ``pad_drafts`` may pad it
-    #: (``drafting.step_cost.padded_draft``), where it was made before sampling: after
-    #: sampling, padding only chooses how much of it goes out.
-    padded: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     def take(self, sampled: list[int], num_tokens: int, sources: Any, nothing: Any) -> Any:
         """What drafting would return now that the request sampled ``sampled`` (the accepted
@@ -177,3 +172,32 @@ class NextDrafts:
         if made is not None:
             return made
         return nothing if self.complete[a] else None
+
+
+@dataclass
+class ReadyDraft:
+    """A request's next draft made before sampling (``draft_before_sampling``), as ``propose``
+    hands it out if the request samples the tokens it was made for. That step's bookkeeping
+    (acceptance, counters) waits until the drafts are handed over."""
+
+    req_id: str
+    #: The tokens it was made for: the accepted draft tokens and the bonus token.
+    sampled: list[int]
+    #: The request's tokens, those included (a copy: vLLM's rows move between steps).
+    context: np.ndarray
+    #: Identity of the sources' state it was made from (``NextDrafts.sources``).
+    sources: Any
+    #: The draft as it goes out (a chain padded by ``pad_drafts``, or a tree's nodes).
+    draft: list[int]
+    #: The tree, where the draft is one (``drafting.tree.TreeDraft``).
+    tree: Any
+    #: Its length before padding: padding's tokens are not evidence of acceptance.
+    drafted: int
+    #: The request's previous draft's length before padding.
+    last_drafted: int
+
+    def made_for(self, sampled: list[int], num_tokens: int, sources: Any) -> bool:
+        """Whether the request sampled ``sampled`` and has ``num_tokens`` tokens, as this
+        draft assumed, from the same sources' state."""
+        return num_tokens == len(self.context) and sampled == self.sampled \
+            and sources is self.sources

@@ -122,16 +122,10 @@ def cheapest_at_least(draft_len: int, costs: dict[int, float]) -> int:
     return best if best_cost < (1 - MARGIN) * own else draft_len
 
 
-def pad_to(context: np.ndarray, draft: np.ndarray, target: int,
-           extended: np.ndarray | None = None) -> np.ndarray:
+def pad_to(context: np.ndarray, draft: np.ndarray, target: int) -> np.ndarray:
     """``draft`` (int32) padded to ``target`` tokens (``padded_draft``), or as it is where
-    ``target`` is not longer. ``extended``, the same draft padded further earlier (before
-    sampling), serves by its prefix: padding is a function of the tokens before it."""
-    if target <= draft.shape[0]:
-        return draft
-    if extended is not None and extended.shape[0] >= target:
-        return extended[:target]
-    return padded_draft(context, draft, target)
+    ``target`` is not longer."""
+    return draft if target <= draft.shape[0] else padded_draft(context, draft, target)
 
 
 @numba.njit(cache=True)

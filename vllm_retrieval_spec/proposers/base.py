@@ -20,9 +20,9 @@ import numpy as np
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
-from vllm_retrieval_spec.drafting.overlap import NextDrafts, last_state_rows, precompute_plan
-from vllm_retrieval_spec.drafting.step_cost import (
-    MAX_PAD_LEN, StepCostModel, pad_to, padded_draft)
+from vllm_retrieval_spec.drafting.overlap import (
+    NextDrafts, ReadyDraft, last_state_rows, precompute_plan)
+from vllm_retrieval_spec.drafting.step_cost import StepCostModel, pad_to
 from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.tree_verification import is_chain, valid_tree
 from vllm_retrieval_spec.metrics import MethodMetrics
@@ -80,13 +80,19 @@ class RetrievalProposer:
         self.handed: list[tuple[int, str, np.ndarray, list[int]]] = []
         #: Request id -> its drafts for the next step (``precompute_next``).
         self.next_drafts: dict[str, NextDrafts] = {}
-        #: This step's ``next_drafts`` by batch row (``observe_batch``).
-        self.row_ahead: list[NextDrafts | None] = []
-        #: Drafting steps served from ``next_drafts`` ("used") or not ("missed").
+        #: This step's ``next_drafts`` by batch row (``observe_batch``), or the row's draft made
+        #: before sampling (``draft_before_sampling``).
+        self.row_ahead: list[NextDrafts | ReadyDraft | None] = []
+        #: Drafting steps served from drafts made in advance ("used") or not ("missed").
         self.precomputed: Counter[str] = Counter()
         #: (request id, drafted, accepted) whose acceptance update waits for
         #: ``_apply_deferred``.
         self._deferred: list[tuple[str, int, int]] = []
+        #: Drafts made before sampling and handed out, whose bookkeeping waits for
+        #: ``_apply_deferred``.
+        self._ready_used: list[ReadyDraft] = []
+        #: (draft tokens, ns): the last step's time, for ``step_costs`` in ``_apply_deferred``.
+        self._step_time: tuple[int, int] | None = None
         #: Whether ``_deferred`` or ``_counts`` may hold something.
         self._pending = False
         #: Counts for ``self.metrics`` not yet published.
@@ -151,10 +157,10 @@ class RetrievalProposer:
         """This step's drafts, made before vLLM samples: batch row i will sample ``sampled[i]``
         (a greedy request's argmax along its draft, ``drafting.overlap.greedy_sampled``; None
         where not known) after verifying ``verified[i]``, and has ``num_tokens_no_spec[i]``
-        tokens before them. Each draft is kept as that row's only precomputed draft, so
-        ``propose`` hands it out if the row sampled exactly those tokens and drafts as before
-        otherwise. Rows with trees or with precomputed drafts already are left alone. Where
-        ``propose`` will pad the draft (``pad_drafts``), the padding is made now too."""
+        tokens before them. Each draft is kept, padded as ``propose`` would pad it, as that
+        row's ``ReadyDraft``: ``propose`` hands it out if the row sampled exactly those tokens
+        and drafts as before otherwise. Rows with trees or with precomputed drafts already are
+        left alone."""
         rows = len(sampled)
         states, self.forward_states = self.forward_states, None
         if self.drafting_off(sum(1 for tokens in sampled if tokens)):
@@ -182,22 +188,17 @@ class RetrievalProposer:
             context = np.concatenate([token_ids_cpu[i, :base],
                                       np.asarray(tokens, dtype=token_ids_cpu.dtype)])
             a = len(tokens) - 1
-            # As propose's update for a precomputed step: acceptance of the draft as drafted.
-            drafted = self.last_draft_len.get(req_id, 0)
+            # As propose's update: acceptance of the last draft as drafted.
+            last_drafted = self.last_draft_len.get(req_id, 0)
             cap = None if self.acceptance is None else \
-                self.acceptance.cap_after(req_id, drafted, min(a, drafted))
+                self.acceptance.cap_after(req_id, last_drafted, min(a, last_drafted))
             max_len = self._max_len(len(context), cap)
-            max_lens: list[int | None] = [None] * (len(verified[i]) + 1)
-            max_lens[a] = max_len
-            ahead = NextDrafts(base, verified[i], self.sources_state(i), max_lens,
-                               complete=[False] * (len(verified[i]) + 1))
-            made = ahead.drafts[a, tokens[-1]] = self._checked_draft(i, context, max_len) \
-                if max_len > 0 else ([], None)
-            longest = self._pad_limit(len(context))
-            if pad and made[1] is None and longest > len(made[0]):
-                ahead.padded[a, tokens[-1]] = padded_draft(
-                    context, np.asarray(made[0], dtype=np.int32), longest)
-            self.row_ahead[i] = ahead
+            draft, tree = self._checked_draft(i, context, max_len) if max_len > 0 \
+                else ([], None)
+            self.row_ahead[i] = ReadyDraft(
+                req_id, list(tokens), context, self.sources_state(i),
+                self._padded(context, draft) if pad and tree is None else draft, tree,
+                len(draft), last_drafted)
 
     def propose(
         self,
@@ -207,7 +208,8 @@ class RetrievalProposer:
         slot_mappings: Any = None,
     ) -> list[list[int]]:
         # Everything here is on the critical path, right after a forward that left the caches
-        # cold (drafting.overlap): counters and acceptance updates wait for precompute_next.
+        # cold (drafting.overlap): counters, acceptance updates and step times wait for
+        # precompute_next, called once the drafts are handed over.
         now = self.clock()
         self._apply_deferred()
         self._pending = True
@@ -218,8 +220,7 @@ class RetrievalProposer:
         pad = self.step_costs is not None and running == 1 and len(sampled_token_ids) == 1
         if pad and alone is not None and self.row_req_ids == [alone[0]]:
             # The step since the last propose verified that request's draft and nothing else.
-            self.step_costs.observe(alone[1], now - alone[2])
-        explore = self.step_costs.explore() if pad else None
+            self._step_time = (alone[1], now - alone[2])
         self._counts["target_forwards"] += running
         self._counts["output_tokens"] += sum(map(len, sampled_token_ids))
         if self.drafting_off(running):
@@ -236,6 +237,20 @@ class RetrievalProposer:
             num_tokens = int(num_tokens_no_spec[i])
             req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
             ahead = self.row_ahead[i] if i < len(self.row_ahead) else None
+            if isinstance(ahead, ReadyDraft):
+                if ahead.made_for(sampled, num_tokens, self.sources_state(i)):
+                    # Made before sampling: its bookkeeping waits for the handover.
+                    self._ready_used.append(ahead)
+                    if ahead.tree is not None:
+                        self.trees[req_id] = ahead.tree
+                    elif pad:
+                        self._alone = (req_id, len(ahead.draft), 0)
+                    if self.drafts_ahead:
+                        self.handed.append((i, req_id, ahead.context, ahead.draft))
+                    drafts.append(ahead.draft)
+                    continue
+                self.precomputed["missed"] += 1
+                ahead = None
             made = None if ahead is None else ahead.take(sampled, num_tokens,
                                                          self.sources_state(i), ([], None))
             if made is not None:
@@ -243,13 +258,11 @@ class RetrievalProposer:
                 drafted = self.last_draft_len.get(req_id, 0)
                 self._deferred.append((req_id, drafted, min(len(sampled) - 1, drafted)))
                 draft, tree = made
-                extended = ahead.padded.get((len(sampled) - 1, sampled[-1]))
                 self._counts["lookups"] += 1
                 self._counts["empty_lookups"] += not draft
             else:
                 if ahead is not None:
                     self.precomputed["missed"] += 1
-                extended = None
                 cap = None
                 if req_id is not None and self.acceptance is not None:
                     # The tokens sampled this step are the accepted part of last step's draft
@@ -265,8 +278,9 @@ class RetrievalProposer:
                 if tree is not None:
                     self.trees[req_id] = tree
                 elif pad:
-                    draft = self._padded(token_ids_cpu[i, :num_tokens], draft, explore,
-                                         extended)
+                    padded = self._padded(token_ids_cpu[i, :num_tokens], draft)
+                    self.padded += len(padded) > len(draft)
+                    draft = padded
                     self._alone = (req_id, len(draft), 0)
                 if self.drafts_ahead:
                     # A copy: vLLM may move rows of its buffer before precompute_next runs.
@@ -278,34 +292,47 @@ class RetrievalProposer:
             self._alone = (*self._alone[:2], self.clock())
         return drafts
 
-    def _padded(self, context: np.ndarray, draft: list[int], explore: int | None,
-                extended: np.ndarray | None) -> list[int]:
+    def _padded(self, context: np.ndarray, draft: list[int]) -> list[int]:
         """``draft`` padded to the length whose steps ``step_costs`` found cheapest among
-        those not shorter, or to ``explore`` (a length still to be measured) when the draft
-        is not longer than that; ``extended``: its padding made before sampling, if any."""
+        those not shorter, or to a length still to be measured (``StepCostModel.explore``)
+        when the draft is not longer than that."""
+        explore = self.step_costs.explore()
         target = explore if explore is not None and explore >= len(draft) \
             else self.step_costs.target(len(draft))
-        target = min(target, self._pad_limit(len(context)))
+        target = min(target, self.k, self.max_model_len - len(context) - 1)
         if target <= len(draft):
             return draft
-        self.padded += 1
-        return pad_to(context, np.asarray(draft, dtype=np.int32), target, extended).tolist()
-
-    def _pad_limit(self, num_tokens: int) -> int:
-        """The longest a draft after ``num_tokens`` tokens may be padded to."""
-        return min(MAX_PAD_LEN, self.k, self.max_model_len - num_tokens - 1)
+        return pad_to(context, np.asarray(draft, dtype=np.int32), target).tolist()
 
     def _max_len(self, num_tokens: int, cap: int | None) -> int:
         # Leave room for the bonus token: a draft may not push past max_model_len.
         max_len = min(self.k, self.max_model_len - num_tokens - 1)
         return max_len if cap is None else min(max_len, cap)
 
+    @property
+    def work_after_handover(self) -> bool:
+        """Whether ``precompute_next`` has work once the drafts are handed to vLLM."""
+        return self._pending or bool(self.handed)
+
     def _apply_deferred(self) -> None:
-        """Acceptance updates of requests whose drafts were precomputed (their caps were
-        already known), and the counters, published to Prometheus."""
+        """The bookkeeping of the drafts handed out from drafts made in advance (their caps
+        were already known: acceptance updates, counters), the last step's time
+        (``step_costs``), and the counters, published to Prometheus."""
         if not self._pending:
             return
         self._pending = False
+        if self._step_time is not None:
+            self.step_costs.observe(*self._step_time)
+            self._step_time = None
+        for ready in self._ready_used:
+            self.precomputed["used"] += 1
+            self._deferred.append((ready.req_id, ready.last_drafted,
+                                   min(len(ready.sampled) - 1, ready.last_drafted)))
+            self.last_draft_len[ready.req_id] = ready.drafted
+            self._counts["lookups"] += 1
+            self._counts["empty_lookups"] += not ready.drafted
+            self.padded += len(ready.draft) > ready.drafted
+        self._ready_used.clear()
         if self.acceptance is not None:
             for req_id, drafted, accepted in self._deferred:
                 self.acceptance.update(req_id, drafted, accepted)
@@ -316,9 +343,9 @@ class RetrievalProposer:
         self._counts = dict.fromkeys(self._counts, 0)
 
     def precompute_next(self) -> None:
-        """Make the next step's possible drafts for the requests drafted for this step
-        (``drafting.overlap``); the plugin calls this once the drafts are handed to vLLM, before
-        the next ``propose``."""
+        """The bookkeeping ``propose`` left for later, then the next step's possible drafts for
+        the requests drafted for this step (``drafting.overlap``); the plugin calls this once
+        the drafts are handed to vLLM (``work_after_handover``), before the next ``propose``."""
         self._apply_deferred()
         handed, self.handed = self.handed, []
         for row, req_id, context, draft in handed:

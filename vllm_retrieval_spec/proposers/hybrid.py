@@ -31,6 +31,7 @@ from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepte
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.overlap import (
     FOLLOWER_SAMPLES,
+    ReadyDraft,
     context_followers,
     rank_followers,
 )
@@ -171,6 +172,8 @@ class HybridProposer(RestProposer):
     def __init__(self, vllm_config: Any) -> None:
         # RestProposer's warm-up draft reads it; the served store's own warm-up is below.
         self.served: ServedStore | None = None
+        #: This step's arguments of ``ServedRequests.observe``, when it waits for the handover.
+        self._served_step: tuple | None = None
         #: With ``served_store: "per_request"``: the stores by key, and this step's store of
         #: each batch row (``observe_batch``).
         self.keyed: KeyedServedStores | None = None
@@ -242,6 +245,7 @@ class HybridProposer(RestProposer):
         threads. Idempotent."""
         if self.served_requests is None:
             return
+        self._apply_deferred()
         self.served_requests.finish_all()
         self.served_requests = None
         if self.saver is not None:
@@ -275,11 +279,43 @@ class HybridProposer(RestProposer):
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         if self.served_requests is not None:
             # Every step, drafting on or off: learning must not stop with large batches.
-            self.served_requests.observe(
-                self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                self.row_keys, self.accepted_states(sampled_token_ids, num_tokens_no_spec))
+            ready = self._drafted_before_sampling(sampled_token_ids, num_tokens_no_spec)
+            if ready is not None:
+                # Each row's tokens were copied then: recorded once the drafts are handed over.
+                self._served_step = (self.row_req_ids, [r.sampled if r else [] for r in ready],
+                                     [len(r.context) if r else 0 for r in ready],
+                                     [r.context if r else None for r in ready], self.row_keys)
+            else:
+                self.served_requests.observe(
+                    self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                    self.row_keys, self.accepted_states(sampled_token_ids, num_tokens_no_spec))
         return super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                                slot_mappings)
+
+    def _drafted_before_sampling(self, sampled_token_ids: list[list[int]],
+                                 num_tokens: np.ndarray) -> list[ReadyDraft | None] | None:
+        """Each row's draft made before sampling (None for rows that sampled nothing), where
+        every row that sampled has one made for exactly what it sampled and no hidden state
+        is stored (``served_dense``); else None."""
+        if self.served_dense is not None or len(self.row_ahead) < len(sampled_token_ids):
+            return None
+        ready: list[ReadyDraft | None] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            ahead = self.row_ahead[i]
+            if not sampled:
+                ready.append(None)
+            elif isinstance(ahead, ReadyDraft) and ahead.sampled == sampled \
+                    and len(ahead.context) == int(num_tokens[i]):
+                ready.append(ahead)
+            else:
+                return None
+        return ready
+
+    def _apply_deferred(self) -> None:
+        served, self._served_step = self._served_step, None
+        if served is not None:
+            self.served_requests.observe(*served)
+        super()._apply_deferred()
 
     def stats(self, reset: bool = False) -> dict[str, int]:
         store = self.keyed or self.served
