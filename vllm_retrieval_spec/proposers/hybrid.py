@@ -172,7 +172,8 @@ class HybridProposer(RestProposer):
     def __init__(self, vllm_config: Any) -> None:
         # RestProposer's warm-up draft reads it; the served store's own warm-up is below.
         self.served: ServedStore | None = None
-        #: This step's arguments of ``ServedRequests.observe``, when it waits for the handover.
+        #: This step's request ids, drafts made before sampling and served-store keys, by row,
+        #: when recording its tokens (``ServedRequests.observe``) waits for the handover.
         self._served_step: tuple | None = None
         #: With ``served_store: "per_request"``: the stores by key, and this step's store of
         #: each batch row (``observe_batch``).
@@ -282,9 +283,7 @@ class HybridProposer(RestProposer):
             ready = self._drafted_before_sampling(sampled_token_ids, num_tokens_no_spec)
             if ready is not None:
                 # Each row's tokens were copied then: recorded once the drafts are handed over.
-                self._served_step = (self.row_req_ids, [r.sampled if r else [] for r in ready],
-                                     [len(r.context) if r else 0 for r in ready],
-                                     [r.context if r else None for r in ready], self.row_keys)
+                self._served_step = (self.row_req_ids, ready, self.row_keys)
             else:
                 self.served_requests.observe(
                     self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
@@ -314,7 +313,11 @@ class HybridProposer(RestProposer):
     def _apply_deferred(self) -> None:
         served, self._served_step = self._served_step, None
         if served is not None:
-            self.served_requests.observe(*served)
+            req_ids, ready, keys = served
+            self.served_requests.observe(
+                req_ids, [r.sampled if r else [] for r in ready],
+                [len(r.context) if r else 0 for r in ready],
+                [r.context if r else None for r in ready], keys)
         super()._apply_deferred()
 
     def stats(self, reset: bool = False) -> dict[str, int]:
