@@ -181,6 +181,8 @@ class ReadyDraft:
     (acceptance, counters) waits until the drafts are handed over."""
 
     req_id: str
+    #: The request's batch row in that step.
+    row: int
     #: The tokens it was made for: the accepted draft tokens and the bonus token.
     sampled: list[int]
     #: The request's tokens, those included (a copy: vLLM's rows move between steps).

@@ -196,7 +196,7 @@ class RetrievalProposer:
             draft, tree = self._checked_draft(i, context, max_len) if max_len > 0 \
                 else ([], None)
             self.row_ahead[i] = ReadyDraft(
-                req_id, list(tokens), context, self.sources_state(i),
+                req_id, i, list(tokens), context, self.sources_state(i),
                 self._padded(context, draft) if pad and tree is None else draft, tree,
                 len(draft), last_drafted)
 
@@ -332,7 +332,7 @@ class RetrievalProposer:
             self._counts["lookups"] += 1
             self._counts["empty_lookups"] += not ready.drafted
             self.padded += len(ready.draft) > ready.drafted
-        self._ready_used.clear()
+        self._ready_used = []
         if self.acceptance is not None:
             for req_id, drafted, accepted in self._deferred:
                 self.acceptance.update(req_id, drafted, accepted)

@@ -172,9 +172,9 @@ class HybridProposer(RestProposer):
     def __init__(self, vllm_config: Any) -> None:
         # RestProposer's warm-up draft reads it; the served store's own warm-up is below.
         self.served: ServedStore | None = None
-        #: This step's request ids, drafts made before sampling and served-store keys, by row,
-        #: when recording its tokens (``ServedRequests.observe``) waits for the handover.
-        self._served_step: tuple | None = None
+        #: This step's drafts made before sampling, when recording its tokens for the served
+        #: store (``ServedRequests.observe``) waits for the handover.
+        self._served_step: list[ReadyDraft] | None = None
         #: With ``served_store: "per_request"``: the stores by key, and this step's store of
         #: each batch row (``observe_batch``).
         self.keyed: KeyedServedStores | None = None
@@ -278,46 +278,28 @@ class HybridProposer(RestProposer):
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
+        drafts = super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                                 slot_mappings)
         if self.served_requests is not None:
             # Every step, drafting on or off: learning must not stop with large batches.
-            ready = self._drafted_before_sampling(sampled_token_ids, num_tokens_no_spec)
-            if ready is not None:
-                # Each row's tokens were copied then: recorded once the drafts are handed over.
-                self._served_step = (self.row_req_ids, ready, self.row_keys)
+            ready = self._ready_used
+            if self.served_dense is None and len(ready) == sum(map(bool, sampled_token_ids)):
+                # Every row that sampled got a draft made before sampling, which copied its
+                # tokens: they are recorded once the drafts are handed over.
+                self._served_step = ready
             else:
                 self.served_requests.observe(
                     self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                     self.row_keys, self.accepted_states(sampled_token_ids, num_tokens_no_spec))
-        return super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                               slot_mappings)
-
-    def _drafted_before_sampling(self, sampled_token_ids: list[list[int]],
-                                 num_tokens: np.ndarray) -> list[ReadyDraft | None] | None:
-        """Each row's draft made before sampling (None for rows that sampled nothing), where
-        every row that sampled has one made for exactly what it sampled and no hidden state
-        is stored (``served_dense``); else None."""
-        if self.served_dense is not None or len(self.row_ahead) < len(sampled_token_ids):
-            return None
-        ready: list[ReadyDraft | None] = []
-        for i, sampled in enumerate(sampled_token_ids):
-            ahead = self.row_ahead[i]
-            if not sampled:
-                ready.append(None)
-            elif isinstance(ahead, ReadyDraft) and ahead.sampled == sampled \
-                    and len(ahead.context) == int(num_tokens[i]):
-                ready.append(ahead)
-            else:
-                return None
-        return ready
+        return drafts
 
     def _apply_deferred(self) -> None:
-        served, self._served_step = self._served_step, None
-        if served is not None:
-            req_ids, ready, keys = served
+        ready, self._served_step = self._served_step, None
+        if ready:
             self.served_requests.observe(
-                req_ids, [r.sampled if r else [] for r in ready],
-                [len(r.context) if r else 0 for r in ready],
-                [r.context if r else None for r in ready], keys)
+                [r.req_id for r in ready], [r.sampled for r in ready],
+                [len(r.context) for r in ready], [r.context for r in ready],
+                [self.row_keys[r.row] for r in ready] if self.keyed is not None else None)
         super()._apply_deferred()
 
     def stats(self, reset: bool = False) -> dict[str, int]:
