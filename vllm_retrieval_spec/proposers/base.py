@@ -93,7 +93,7 @@ class RetrievalProposer:
         self._ready_used: list[ReadyDraft] = []
         #: (draft tokens, ns): the last step's time, for ``step_costs`` in ``_apply_deferred``.
         self._step_time: tuple[int, int] | None = None
-        #: Whether ``_deferred`` or ``_counts`` may hold something.
+        #: Whether ``_apply_deferred`` may have work (set by every ``propose``).
         self._pending = False
         #: Counts for ``self.metrics`` not yet published.
         self._counts = dict.fromkeys(
