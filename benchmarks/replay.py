@@ -9,7 +9,9 @@ rules; confirm winners with ``vllm-rsd bench``.
         --configs '[{"method": "pld"}, {"method": "rest", "datastore": "ds/stdlib"}]'
 
 ``--grid '{"context_weight": [1, 2], "min_prefix_prob": [0.2, 0.3]}'`` replays every config
-with each combination; results are printed per task, one JSON line each.
+with each combination; results are printed per task, one JSON line each. ``--oracle`` replays
+the ceiling of hybrid's sources instead, and ``--oracle-gap`` says why a hybrid config falls
+short of it (a wrong choice among the candidates, a draft cut short, no draft).
 """
 
 from __future__ import annotations
@@ -151,8 +153,10 @@ def load_records(path: str) -> list[dict[str, list[int]]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
-    """The same pure drafting function the method's proposer calls in vLLM, per request."""
+def draft_factory(config: Any, model: str | None = None,
+                  gap: OracleGap | None = None) -> DraftFactory:
+    """The same pure drafting function the method's proposer calls in vLLM, per request;
+    with ``gap`` (hybrid only), each of its drafts is also measured against the oracle."""
     from vllm_retrieval_spec.config import (
         DresdConfig, HybridConfig, PldConfig, PldPlusConfig, RestConfig)
     from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
@@ -162,6 +166,9 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
     if isinstance(config, RestConfig):  # hybrid too: it extends REST
         datastore = _datastore(config)
         if not isinstance(config, HybridConfig):
+            if gap is not None:
+                raise ValueError("--oracle-gap takes hybrid configs: their sources are the "
+                                 "oracle's candidates")
             return lambda record: lambda context, n: rest_draft(datastore, context, n, config)
         dense = DenseQueries.if_in_use(config, model)
         served = ServedReplay(config, model, dense) if config.served_store != "off" else None
@@ -177,9 +184,16 @@ def draft_factory(config: Any, model: str | None = None) -> DraftFactory:
                     served_dense_of(context) if served_dense_of else None)
 
             query_of = dense.for_record(record) if dense is not None else None
-            return draft
+            if gap is None:
+                return draft
+            return gap.observe(draft, source_candidates(
+                config, datastore, store, dense.index if dense else None, query_of,
+                served_dense_of), record)
 
         return make_hybrid if served is None else served.wrap(make_hybrid)
+    if gap is not None:
+        raise ValueError("--oracle-gap takes hybrid configs: their sources are the oracle's "
+                         "candidates")
     if isinstance(config, PldConfig):
         return lambda record: lambda context, n: pld_draft(context, n, config)
     if isinstance(config, PldPlusConfig):
@@ -313,12 +327,10 @@ class SuffixDecodingReplay:
 
 def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
     """A ceiling for any merge rule over hybrid's sources: at each step, of every candidate the
-    sources offer (the context and the suffix array at every match length, the dense
-    neighbours), the one the target model accepts furthest. Every chain a trie over the
-    candidates can draft is a prefix of one of them, so no weighting can draft better."""
+    sources offer (``source_candidates``), the one the target model accepts furthest. Every
+    chain a trie over the candidates can draft is a prefix of one of them, so no weighting can
+    draft better."""
     from vllm_retrieval_spec.config import HybridConfig
-    from vllm_retrieval_spec.proposers.dresd import matching_continuations
-    from vllm_retrieval_spec.proposers.pld import find_context_matches
 
     if not isinstance(config, HybridConfig):
         raise ValueError("--oracle takes hybrid configs: their sources are the candidates")
@@ -328,36 +340,108 @@ def oracle_factory(config: Any, model: str | None = None) -> DraftFactory:
 
     def make_oracle(record: dict[str, list[int]]) -> DraftFn:
         truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
-        query_of = dense.for_record(record) if dense is not None else None
-        served_dense_of = served.dense_candidates(record) if served is not None else None
+        candidates_of = source_candidates(
+            config, datastore, served.store if served else None,
+            dense.index if dense else None,
+            dense.for_record(record) if dense is not None else None,
+            served.dense_candidates(record) if served is not None else None)
 
         def draft(context: np.ndarray, n: int) -> np.ndarray:
-            found = []
-            for match_len in range(config.context_min_match_len,
-                                   config.context_max_match_len + 1):
-                found.append(find_context_matches(context, match_len, match_len,
-                                                  config.max_occurrences, n)[:2])
-            stores = [store for store in (datastore, served.store if served else None)
-                      if store is not None]
-            for store in stores:
-                for match_len in range(config.min_match_len, config.max_match_len + 1):
-                    found.append(store.lookup(context, min_len=match_len, max_len=match_len,
-                                              max_occurrences=config.max_occurrences,
-                                              continuation_len=n)[:2])
-            if query_of is not None:
-                neighbours, scores = dense.index.search(query_of(context)[None], config.top_n)
-                found.append(matching_continuations(
-                    dense.index.tokens, dense.index.positions, neighbours[0], scores[0],
-                    int(context[-1]), n)[:2])
-            if served_dense_of is not None:
-                found.append(served_dense_of(context)(int(context[-1]), n)[:2])
-            return longest_accepted(np.concatenate([c for c, _ in found]),
-                                    np.concatenate([length for _, length in found]),
+            return longest_accepted(*candidates_of(context, n),
                                     truth[len(context):len(context) + n])
 
         return draft
 
     return make_oracle if served is None else served.wrap(make_oracle)
+
+
+def source_candidates(config: Any, datastore: Any, store: Any, dense: Any,
+                      query_of: Callable[[np.ndarray], np.ndarray] | None,
+                      served_dense_of: Callable | None
+                      ) -> Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]:
+    """(context, n) -> every candidate hybrid's sources offer and its length: the context, the
+    suffix array and the served store at every match length, the dense neighbours (static and
+    served) that continue with the context's last token."""
+    from vllm_retrieval_spec.proposers.dresd import matching_continuations
+    from vllm_retrieval_spec.proposers.pld import find_context_matches
+
+    def candidates(context: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        found = []
+        for match_len in range(config.context_min_match_len, config.context_max_match_len + 1):
+            found.append(find_context_matches(context, match_len, match_len,
+                                              config.max_occurrences, n)[:2])
+        for suffix_store in (s for s in (datastore, store) if s is not None):
+            for match_len in range(config.min_match_len, config.max_match_len + 1):
+                found.append(suffix_store.lookup(context, min_len=match_len, max_len=match_len,
+                                                 max_occurrences=config.max_occurrences,
+                                                 continuation_len=n)[:2])
+        if query_of is not None:
+            neighbours, scores = dense.search(query_of(context)[None], config.top_n)
+            found.append(matching_continuations(dense.tokens, dense.positions, neighbours[0],
+                                                scores[0], int(context[-1]), n)[:2])
+        if served_dense_of is not None:
+            found.append(served_dense_of(context)(int(context[-1]), n)[:2])
+        return (np.concatenate([c for c, _ in found]),
+                np.concatenate([length for _, length in found]))
+
+    return candidates
+
+
+class OracleGap:
+    """Where a hybrid config's own drafts fall short of the oracle over its sources
+    (``--oracle-gap``). At every step of the config's walk, the tokens the best candidate would
+    have had accepted and the draft did not are put down to one cause: the draft went wrong
+    where a candidate went on (``wrong_choice``: the merge chose), it was accepted whole but
+    stopped before a candidate did (``too_short``: the length rules), or there was no draft
+    (``no_draft``). The draft is taken before any padding; a tree counts as cut short when its
+    accepted path is as deep as the tree."""
+
+    CAUSES = ("wrong_choice", "too_short", "no_draft")
+
+    def __init__(self) -> None:
+        self.steps = self.accepted = self.oracle_accepted = 0
+        self.missed = dict.fromkeys(self.CAUSES, 0)
+        self.missed_steps = dict.fromkeys(self.CAUSES, 0)
+
+    def observe(self, draft: DraftFn,
+                candidates_of: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+                record: dict[str, list[int]]) -> DraftFn:
+        """``draft``, unchanged, measuring each of its drafts for ``record``."""
+        from vllm_retrieval_spec.drafting.tree import TreeDraft
+        from vllm_retrieval_spec.tree_verification import tree_depths
+
+        truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
+
+        def observed(context: np.ndarray, n: int) -> np.ndarray:
+            proposal = draft(context, n)
+            ahead = truth[len(context):len(context) + n]
+            is_tree = isinstance(proposal, TreeDraft)
+            size = len(proposal.tokens if is_tree else proposal)
+            accepted = accepted_length(proposal, ahead[:size].tolist())
+            best = len(longest_accepted(*candidates_of(context, n), ahead))
+            deepest = int(tree_depths(proposal.parents).max(initial=0)) if is_tree else size
+            self.steps += 1
+            self.accepted += accepted
+            self.oracle_accepted += max(best, accepted)
+            if best > accepted:
+                cause = ("no_draft" if deepest == 0 else
+                         "too_short" if accepted == deepest else "wrong_choice")
+                self.missed[cause] += best - accepted
+                self.missed_steps[cause] += 1
+            return proposal
+
+        return observed
+
+    def summary(self) -> dict[str, float]:
+        """Per drafting step: tokens accepted, the oracle's, and the missed ones by cause; and
+        the share of steps each cause missed tokens in."""
+        steps = max(self.steps, 1)
+        return {"accepted_per_step": round(self.accepted / steps, 3),
+                "oracle_accepted_per_step": round(self.oracle_accepted / steps, 3),
+                **{f"missed_{cause}_per_step": round(self.missed[cause] / steps, 3)
+                   for cause in self.CAUSES},
+                **{f"{cause}_step_share": round(self.missed_steps[cause] / steps, 3)
+                   for cause in self.CAUSES}}
 
 
 def longest_accepted(candidates: np.ndarray, lengths: np.ndarray,
@@ -502,7 +586,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--oracle", action="store_true",
                         help="replay hybrid configs' ceiling: at every step the candidate of "
                              "any source that is accepted furthest (k tokens at most)")
+    parser.add_argument("--oracle-gap", action="store_true",
+                        help="replay hybrid configs as they are and add, per step, what the "
+                             "oracle would have had accepted and what they missed by cause "
+                             "(a wrong choice among candidates, a draft cut short, no draft)")
     args = parser.parse_args(argv)
+    if args.oracle and args.oracle_gap:
+        parser.error("--oracle and --oracle-gap: choose one")
     records = [r for path in args.outputs for r in load_records(path)
                if args.task is None or r.get("task", "code-gen") == args.task]
     tasks = sorted({r.get("task", "code-gen") for r in records})
@@ -538,9 +628,13 @@ def main(argv: list[str] | None = None) -> None:
                      "pad_drafts": config.pad_drafts}
         for task in tasks:
             # A fresh factory per task: a method that learns starts each task knowing none.
-            make_draft = factory(config, args.model)
+            gap = OracleGap() if args.oracle_gap else None
+            make_draft = (factory(config, args.model) if gap is None
+                          else draft_factory(config, args.model, gap))
             result = replay([r for r in records if r.get("task", "code-gen") == task],
                             make_draft, config.num_speculative_tokens, **rules)
+            if gap is not None:
+                result.update(gap.summary())
             print(json.dumps({"task": task, "config": options, **result}), flush=True)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vllm_retrieval_spec.benchmarks.replay import (
-    draft_factory, expand_grid, longest_accepted, oracle_factory, replay)
+    OracleGap, draft_factory, expand_grid, longest_accepted, oracle_factory, replay)
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 
@@ -109,6 +109,50 @@ def test_oracle_is_a_ceiling_for_hybrid(tmp_path):
     with pytest.raises(ValueError, match="hybrid"):
         oracle_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3},
                                                 VLLM_CPU_DEFAULTS))
+
+
+@pytest.mark.parametrize("documents, options, missed, missed_steps", [
+    # "5 6" goes on "7 8 9" once and "7 7 7" twice: the majority is drafted and "7" accepted
+    # where the oracle's "7 8 9" had 3 (then "9", none, none and "7 8 9" from the context).
+    ([[5, 6, 7, 8, 9], [5, 6, 7, 7, 7], [5, 6, 7, 7, 7]], {"max_spec_factor": 0},
+     {"wrong_choice": 2, "too_short": 0, "no_draft": 0}, {"wrong_choice": 1}),
+    # One continuation, but a 2-token match allows one draft token: "7" twice, not "7 8 9".
+    ([[5, 6, 7, 8, 9]], {"max_spec_factor": 0.5},
+     {"wrong_choice": 0, "too_short": 4, "no_draft": 0}, {"too_short": 2}),
+    # An even split under min_prefix_prob: nothing drafted where the oracle had "7 8 9".
+    ([[5, 6, 7, 8, 9], [5, 6, 4, 4, 4]], {"max_spec_factor": 0, "min_prefix_prob": 0.9},
+     {"wrong_choice": 0, "too_short": 0, "no_draft": 9}, {"no_draft": 4}),
+])
+def test_oracle_gap_puts_each_missed_token_down_to_its_cause(tmp_path, documents, options,
+                                                             missed, missed_steps):
+    build_datastore_from_token_ids(documents, tmp_path / "ds", tokenizer_name="t",
+                                   tokenizer_fingerprint="0" * 64, vocab_size=100,
+                                   progress=False)
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
+                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1,
+                                       "context_min_match_len": 2, "min_match_len": 2,
+                                       "served_store": "off", **options}, VLLM_CPU_DEFAULTS)
+    record = {"prompt": [1, 5], "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}
+    oracle = replay([record], oracle_factory(config), k=3, draft_token_cost=0.0)
+    gap = OracleGap()
+    observed = replay([record], draft_factory(config, gap=gap), k=3, draft_token_cost=0.0)
+    plain = replay([record], draft_factory(config), k=3, draft_token_cost=0.0)
+    # Observing changes nothing: the walk is hybrid's own.
+    for key in ("tokens_per_forward", "mean_draft_len"):
+        assert observed[key] == plain[key]
+    assert gap.missed == missed
+    assert gap.missed_steps == {**dict.fromkeys(OracleGap.CAUSES, 0), **missed_steps}
+    assert gap.oracle_accepted - gap.accepted == sum(missed.values())
+    summary = gap.summary()
+    assert summary["oracle_accepted_per_step"] == round(gap.oracle_accepted / gap.steps, 3)
+    # Along hybrid's walk the oracle accepts at least as much as in its own.
+    assert oracle["tokens_per_forward"] >= plain["tokens_per_forward"]
+
+
+def test_oracle_gap_takes_hybrid_configs_only():
+    with pytest.raises(ValueError, match="oracle-gap takes hybrid"):
+        draft_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3},
+                                               VLLM_CPU_DEFAULTS), gap=OracleGap())
 
 
 def test_replay_learns_from_served_records_in_order():
