@@ -163,12 +163,12 @@ def draft_factory(config: Any, model: str | None = None,
     from vllm_retrieval_spec.proposers.pld import pld_draft, pld_plus_draft
     from vllm_retrieval_spec.proposers.rest import rest_draft
 
+    if gap is not None and not isinstance(config, HybridConfig):
+        raise ValueError("--oracle-gap takes hybrid configs: their sources are the oracle's "
+                         "candidates")
     if isinstance(config, RestConfig):  # hybrid too: it extends REST
         datastore = _datastore(config)
         if not isinstance(config, HybridConfig):
-            if gap is not None:
-                raise ValueError("--oracle-gap takes hybrid configs: their sources are the "
-                                 "oracle's candidates")
             return lambda record: lambda context, n: rest_draft(datastore, context, n, config)
         dense = DenseQueries.if_in_use(config, model)
         served = ServedReplay(config, model, dense) if config.served_store != "off" else None
@@ -191,9 +191,6 @@ def draft_factory(config: Any, model: str | None = None,
                 served_dense_of), record)
 
         return make_hybrid if served is None else served.wrap(make_hybrid)
-    if gap is not None:
-        raise ValueError("--oracle-gap takes hybrid configs: their sources are the oracle's "
-                         "candidates")
     if isinstance(config, PldConfig):
         return lambda record: lambda context, n: pld_draft(context, n, config)
     if isinstance(config, PldPlusConfig):

@@ -145,7 +145,7 @@ def test_oracle_gap_puts_each_missed_token_down_to_its_cause(tmp_path, documents
     assert gap.oracle_accepted - gap.accepted == sum(missed.values())
     summary = gap.summary()
     assert summary["oracle_accepted_per_step"] == round(gap.oracle_accepted / gap.steps, 3)
-    # Along hybrid's walk the oracle accepts at least as much as in its own.
+    # The oracle's own walk is at least as good as hybrid's.
     assert oracle["tokens_per_forward"] >= plain["tokens_per_forward"]
 
 
