@@ -134,22 +134,24 @@ def tree_attention_torch(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Te
 
     The context comes head-major, as gathered from a paged KV cache: ``keys_t`` ``[num_kv_heads,
     head_dim, L]``, ``values`` ``[num_kv_heads, L, head_dim]``; ``mask`` is
-    ``tree_ancestor_mask(parents)``, built once per step rather than per layer. The query heads
-    sharing a kv head are batched into one matrix product instead of copying the context once
-    per query head (the reference's way): 2-10x faster at 300-800 context tokens."""
-    n, num_heads, head_dim = q.shape
+    ``tree_ancestor_mask(parents)``, built once per step rather than per layer. ``q`` and
+    ``mask`` may hold only the last nodes' rows: those are computed, against all the nodes'
+    keys and values (vLLM-CPU's tree rows after the leading chain). The query heads sharing a
+    kv head are batched into one matrix product instead of copying the context once per query
+    head (the reference's way): 2-10x faster at 300-800 context tokens."""
+    rows, num_heads, head_dim = q.shape
     num_kv_heads, _, context = keys_t.shape
     group = num_heads // num_kv_heads
-    queries = (q.float() * scale).reshape(n, num_kv_heads, group, head_dim)
-    queries = queries.permute(1, 0, 2, 3).reshape(num_kv_heads, n * group, head_dim)
+    queries = (q.float() * scale).reshape(rows, num_kv_heads, group, head_dim)
+    queries = queries.permute(1, 0, 2, 3).reshape(num_kv_heads, rows * group, head_dim)
     tree_scores = torch.bmm(queries, k_tree.float().permute(1, 2, 0))
     visible = mask.repeat_interleave(group, dim=0)
     tree_scores = tree_scores.masked_fill(~visible, float("-inf"))
     weights = torch.cat([torch.bmm(queries, keys_t.float()), tree_scores], dim=2).softmax(dim=2)
     out = torch.bmm(weights[:, :, :context], values.float()) + torch.bmm(
         weights[:, :, context:], v_tree.float().transpose(0, 1))
-    return out.reshape(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3).reshape(
-        n, num_heads, head_dim).to(q.dtype)
+    return out.reshape(num_kv_heads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(
+        rows, num_heads, head_dim).to(q.dtype)
 
 
 _softmax_step: Any = None  # a Triton function, made by _kernels()

@@ -248,6 +248,18 @@ def test_cpu_path_matches_reference(name):
     _assert_close(out, expected, expected.dtype)
 
 
+@pytest.mark.parametrize("first", [0, 3, 19])
+def test_cpu_path_computes_only_the_last_rows_when_given_them(first):
+    # vLLM-CPU's tree rows after the leading chain: queries and mask rows from `first` on,
+    # against every node's keys and values.
+    (q, k_ctx, v_ctx, k_tree, v_tree, parents), scale = case_inputs("random-20-L70-h2/1-d128-float32")
+    expected = tree_attention_reference(q, k_ctx, v_ctx, k_tree, v_tree, parents, scale)
+    out = tree_attention_torch(q[first:], k_ctx.permute(1, 2, 0), v_ctx.transpose(0, 1), k_tree,
+                               v_tree, tree_ancestor_mask(parents)[first:], scale)
+    assert out.shape == expected[first:].shape
+    _assert_close(out, expected[first:], torch.float32)
+
+
 def test_ancestor_mask_of_a_small_tree():
     #   root -> 0 -> 2, root -> 1 -> 3 -> 4
     mask = tree_ancestor_mask(torch.tensor([-1, -1, 0, 1, 3]))

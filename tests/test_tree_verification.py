@@ -9,6 +9,7 @@ import pytest
 from vllm_retrieval_spec.tree_verification import (
     greedy_tree_walk,
     is_chain,
+    leading_chain_len,
     path_moves,
     tree_depths,
     tree_eligible,
@@ -56,6 +57,14 @@ def target_after(tokens_by_node: dict[int, int]) -> np.ndarray:
 ])
 def test_greedy_walk_follows_the_targets_tokens(target, path, bonus):
     assert greedy_tree_walk(PARENTS, TOKENS, target_after(target)) == (path, bonus)
+
+
+@pytest.mark.parametrize("parents, length", [([], 0), ([-1], 1), ([-1, 0, 1], 3),
+                                              ([-1, 0, 0, 2], 2), ([-1, -1, 1], 1),
+                                              (PARENTS.tolist(), 1), ([-1, 0, 1, 1, 2], 3)])
+def test_leading_chain_len_counts_the_nodes_whose_earlier_nodes_are_all_ancestors(parents,
+                                                                                  length):
+    assert leading_chain_len(np.array(parents, dtype=np.int64)) == length
 
 
 def test_greedy_walk_on_a_chain_is_the_common_prefix():
@@ -147,8 +156,12 @@ def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_t
                                                               np.array([-1, 0]), 2)},
                         ["a", "b", "c", "d"], scheduled, num_scheduled, num_computed, positions,
                         19)
-    assert [(t.row, t.parents.tolist(), t.base, t.query_start) for t in verifier.step.rows] \
-        == [(0, [-1, -1, 0, 0], 20, 0)]
+    assert [(t.row, t.parents.tolist(), t.base, t.query_start, t.first_branch)
+            for t in verifier.step.rows] == [(0, [-1, -1, 0, 0], 20, 0, 1)]
+    # Only the rows after the leading chain are attended again: their mask rows.
+    assert verifier.step.rows[0].mask.tolist() == [[False, True, False, False],
+                                                   [True, False, True, False],
+                                                   [True, False, False, True]]
     # Row a: root at 20, its nodes at depth 1, 1, 2, 2; every other row untouched.
     assert positions[:5].tolist() == [1000, 21, 21, 22, 22]
     assert positions[5:].tolist() == list(range(1005, 1019))

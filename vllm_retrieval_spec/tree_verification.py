@@ -8,8 +8,10 @@ request's last sampled token). ``plugin.py`` wires the four changes a tree needs
 1. ``begin_step`` (after vLLM prepared the inputs): each node's rotary position becomes the
    root's position plus its depth. The KV slots stay sequential, so siblings never collide.
 2. ``attend`` (after the CPU attention kernel): the kernel attended causally, so a node saw
-   every earlier node. The tree rows are attended again, to the context and to their own
-   ancestors only, and overwrite the kernel's rows. The root's row is causal and stays.
+   every earlier node. That is right for the leading chain (the drafter's chain comes first,
+   each node the previous one's child: its earlier nodes are its ancestors); the rows after it
+   are attended again, to the context and to their own ancestors only, and overwrite the
+   kernel's rows. The root's row is causal and stays.
 3. ``accept`` (after vLLM's rejection sampler): the target's argmax at the root and at every
    node gives the longest root path whose tokens the target would have produced itself, plus
    the bonus token. It replaces the request's row of sampled tokens, so vLLM's scheduler counts
@@ -47,6 +49,13 @@ def tree_depths(parents: np.ndarray) -> np.ndarray:
 
 def is_chain(parents: np.ndarray) -> bool:
     return bool(np.array_equal(parents, np.arange(len(parents)) - 1))
+
+
+def leading_chain_len(parents: np.ndarray) -> int:
+    """How many first nodes form a chain from the root (``parents[i] == i - 1``): causal
+    attention is already ancestor-only for them."""
+    off_chain = np.flatnonzero(parents != np.arange(len(parents)) - 1)
+    return int(off_chain[0]) if len(off_chain) else len(parents)
 
 
 def valid_tree(parents: np.ndarray) -> bool:
@@ -101,7 +110,10 @@ class TreeRow:
     parents: np.ndarray      # int64 [n]
     base: int                # position (and slot offset) of the root
     query_start: int         # the root's row in this step's flattened tokens
-    mask: Any = None         # tree_ancestor_mask(parents), for every layer of the step
+    #: Nodes before this one are the leading chain; only the later rows are attended again.
+    first_branch: int = 0
+    #: tree_ancestor_mask(parents)'s rows from ``first_branch`` on, for every layer of the step.
+    mask: Any = None
 
 
 @dataclass
@@ -236,7 +248,8 @@ class TreeVerifier:
         from vllm_retrieval_spec.kernels.tree_attention import tree_ancestor_mask
 
         for tree in rows:
-            tree.mask = tree_ancestor_mask(torch.from_numpy(tree.parents))
+            tree.first_branch = leading_chain_len(tree.parents)
+            tree.mask = tree_ancestor_mask(torch.from_numpy(tree.parents))[tree.first_branch:]
             start = tree.query_start + 1
             positions[start:start + len(tree.parents)] = torch.from_numpy(
                 tree.base + tree_depths(tree.parents))
@@ -258,9 +271,10 @@ class TreeVerifier:
             keys, values = self.paged.read_prefix(
                 kv_cache, attn_metadata.block_table[tree.row], tree.base + 1)
             first = tree.query_start + 1
-            output[first:first + n] = tree_attention_torch(
-                query[first:first + n], keys, values, key[first:first + n],
-                value[first:first + n], tree.mask, impl.scale)
+            rows = slice(first + tree.first_branch, first + n)
+            output[rows] = tree_attention_torch(
+                query[rows], keys, values, key[first:first + n], value[first:first + n],
+                tree.mask, impl.scale)
 
     def walk(self, logits: Any, num_draft_tokens: list[int],
              draft_token_ids: Any) -> list[tuple[TreeRow, list[int], list[int]]]:
