@@ -252,7 +252,8 @@ def test_cpu_path_matches_reference(name):
 def test_cpu_path_computes_only_the_last_rows_when_given_them(first):
     # vLLM-CPU's tree rows after the leading chain: queries and mask rows from `first` on,
     # against every node's keys and values.
-    (q, k_ctx, v_ctx, k_tree, v_tree, parents), scale = case_inputs("random-20-L70-h2/1-d128-float32")
+    inputs, scale = case_inputs("random-20-L70-h2/1-d128-float32")
+    q, k_ctx, v_ctx, k_tree, v_tree, parents = inputs
     expected = tree_attention_reference(q, k_ctx, v_ctx, k_tree, v_tree, parents, scale)
     out = tree_attention_torch(q[first:], k_ctx.permute(1, 2, 0), v_ctx.transpose(0, 1), k_tree,
                                v_tree, tree_ancestor_mask(parents)[first:], scale)

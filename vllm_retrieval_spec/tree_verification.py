@@ -48,7 +48,7 @@ def tree_depths(parents: np.ndarray) -> np.ndarray:
 
 
 def is_chain(parents: np.ndarray) -> bool:
-    return bool(np.array_equal(parents, np.arange(len(parents)) - 1))
+    return leading_chain_len(parents) == len(parents)
 
 
 def leading_chain_len(parents: np.ndarray) -> int:
