@@ -111,7 +111,7 @@ class TreeRow:
     base: int                # position (and slot offset) of the root
     query_start: int         # the root's row in this step's flattened tokens
     #: Nodes before this one are the leading chain; only the later rows are attended again.
-    first_branch: int = 0
+    first_branch: int
     #: tree_ancestor_mask(parents)'s rows from ``first_branch`` on, for every layer of the step.
     mask: Any = None
 
@@ -235,10 +235,12 @@ class TreeVerifier:
             # The scheduler may cut a draft short; any prefix of a topological order is a tree.
             # Tokens that are not the tree's (a draft from another step) are verified as the
             # chain vLLM takes them for: any token sequence verifies losslessly as a chain.
-            if tree is not None and n and decoding and not is_chain(tree.parents[:n]) \
-                    and np.array_equal(tree.tokens[:n], draft):
-                rows.append(TreeRow(i, np.asarray(tree.parents[:n], dtype=np.int64),
-                                    int(num_computed[i]), query_start))
+            if tree is not None and n and decoding:
+                parents = np.asarray(tree.parents[:n], dtype=np.int64)
+                first_branch = leading_chain_len(parents)
+                if first_branch < n and np.array_equal(tree.tokens[:n], draft):
+                    rows.append(TreeRow(i, parents, int(num_computed[i]), query_start,
+                                        first_branch))
             query_start += int(num_scheduled[i])
         if not rows:
             return
@@ -248,7 +250,6 @@ class TreeVerifier:
         from vllm_retrieval_spec.kernels.tree_attention import tree_ancestor_mask
 
         for tree in rows:
-            tree.first_branch = leading_chain_len(tree.parents)
             tree.mask = tree_ancestor_mask(torch.from_numpy(tree.parents))[tree.first_branch:]
             start = tree.query_start + 1
             positions[start:start + len(tree.parents)] = torch.from_numpy(
