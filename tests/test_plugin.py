@@ -142,3 +142,19 @@ def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
         plugin._observe_batch(runner)
     assert seen == [(["a", "b", "c"], None, ["tenant-1", None, "7"]),
                     (["a", "b", "c"], None)]
+
+
+def test_workers_start_after_numba_is_loaded_in_the_same_process():
+    # An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) made after one that drafted: its
+    # worker rebinds vLLM-CPU's kernel overrides while llvmlite (numba) is loaded.
+    pytest.importorskip("numba")
+    import llvmlite.binding.ffi as ffi
+    from vllm.platforms import current_platform
+    from vllm.platforms.cpu import CpuPlatform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM-CPU's kernel overrides only")
+    plugin.register()
+    ffi.lib._fntab.pop("__dict__", None)
+    CpuPlatform.register_triton_kernel_overrides()
+    assert vars(ffi.lib) == {}

