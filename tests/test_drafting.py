@@ -96,9 +96,9 @@ def _tree(rows, weights, max_nodes, min_prefix_prob, branch_min_prob, prior=0.0,
     from vllm_retrieval_spec.drafting.tree import best_tree
 
     cands, lengths = _pack(rows)
-    tokens, parents, _ = best_tree(cands, lengths, np.asarray(weights, dtype=np.float64),
-                                   max_nodes, min_prefix_prob, prior, min_len, branch_min_prob,
-                                   max_nodes)
+    tokens, parents, _, _ = best_tree(cands, lengths, np.asarray(weights, dtype=np.float64),
+                                      max_nodes, min_prefix_prob, prior, min_len, branch_min_prob,
+                                      max_nodes)
     return tokens.tolist(), parents.tolist()
 
 
@@ -108,6 +108,22 @@ def test_best_tree_starts_with_the_best_chain_then_adds_branches_best_first():
     # go to the node inserted first (the earlier candidate's), so 8 is left out.
     tokens, parents = _tree(rows, np.ones(4), 6, 0.5, 0.25)
     assert tokens == [1, 2, 3, 4, 9, 7] and parents == [-1, 0, 1, 2, 2, 1]
+
+
+def test_best_tree_sums_the_estimated_probabilities_of_the_nodes_beside_its_chain():
+    from vllm_retrieval_spec.drafting.tree import best_tree
+
+    rows = [[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7, 7], [8, 8, 8, 8]]
+    cands, lengths = _pack(rows)
+    weights = np.array([3.0, 1.0, 2.0, 2.0])
+    # A prior of 2: denominator 10. Chain at 0.5: 1 2 (0.6 each); then 2->3 (0.4) and 3->4
+    # (0.3); the 7s and 8s (0.2) and 3->9 (0.1) are under 0.25.
+    tokens, parents, chain_len, branch_prob = best_tree(cands, lengths, weights, 10, 0.5, 2.0,
+                                                        1, 0.25, 10)
+    assert tokens.tolist() == [1, 2, 3, 4] and chain_len == 2
+    assert branch_prob == pytest.approx(0.4 + 0.3)
+    assert best_tree(cands, lengths, weights, 10, 0.5, 2.0, 1, 0.2, 10)[3] == pytest.approx(1.9)
+    assert best_tree(cands, lengths, weights, 2, 0.5, 2.0, 1, 0.25, 10)[3] == 0.0
     # Every parent precedes its children, so any prefix of the nodes is a tree.
     assert all(-1 <= p < i for i, p in enumerate(parents))
 
@@ -164,7 +180,8 @@ def test_best_tree_keeps_every_path_within_max_depth():
 
     rows = [[1, 2, 3, 4], [1, 2, 3, 9], [1, 5, 7, 7], [8, 8, 8, 8]]
     cands, lengths = _pack(rows)
-    tokens, parents, chain_len = best_tree(cands, lengths, np.ones(4), 12, 0.5, 0.0, 1, 0.0, 2)
+    tokens, parents, chain_len, _ = best_tree(cands, lengths, np.ones(4), 12, 0.5, 0.0, 1, 0.0,
+                                              2)
     assert tokens[:chain_len].tolist() == [1, 2]
     assert tree_depths(parents).max() == 2
     # Every trie node of depth <= 2 is there: 1, 2, 5, 8 and 8 8.

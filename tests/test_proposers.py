@@ -136,7 +136,7 @@ def test_a_tree_with_parents_out_of_order_costs_its_draft(datastore, caplog):
     config = vllm_config({"method": "rest", "num_speculative_tokens": 4, "datastore": datastore})
     proposer = ScriptedProposer(config, [])
     proposer.draft = lambda context, max_len: TreeDraft(np.array([1, 2, 3]), np.array([-1, 2, 0]),
-                                                        1)
+                                                        1, 0.5)
     proposer.observe_batch(["a"], [True])
     tokens, lengths = batch([1, 2])
     assert proposer.propose([[2]], lengths, tokens) == [[]]

@@ -43,7 +43,7 @@ def test_a_tree_accepts_its_longest_root_path_along_the_output():
     from vllm_retrieval_spec.drafting.tree import TreeDraft
 
     # root -> 5 -> 6 -> 7, and root -> 8 -> 9: the first branch is wrong after 5.
-    tree = TreeDraft(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 1, -1, 3]), 3)
+    tree = TreeDraft(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 1, -1, 3]), 3, 0.5)
     assert accepted_length(tree, [8, 9, 1, 1, 1]) == 2
     assert accepted_length(tree, [5, 6, 2, 1, 1]) == 2
     assert accepted_length(tree, [5, 6, 7, 1, 1]) == 3
@@ -59,7 +59,7 @@ def test_a_tree_accepts_its_longest_root_path_along_the_output():
 
     def draft(context, n):
         if len(context) == 2:
-            return TreeDraft(np.array([5, 6, 9, 7]), np.array([-1, 0, -1, 2]), 2)
+            return TreeDraft(np.array([5, 6, 9, 7]), np.array([-1, 0, -1, 2]), 2, 0.5)
         return np.asarray(sequence[len(context):len(context) + 2], dtype=np.int32)
 
     # output[0] by the prefill; then the tree accepts 9 (node 2), its child 7 does not match

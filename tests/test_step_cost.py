@@ -213,3 +213,68 @@ def test_padded_drafts_are_the_same_with_and_without_drafting_ahead(monkeypatch)
         else:
             assert len(padded_after_sampling) == proposer.padded
     assert runs["after"] == runs["precompute"] == runs["before"]
+
+
+def test_a_tree_steps_extra_cost_is_learned_beside_the_chain_curve():
+    model = StepCostModel(min_len=3, k=24)
+    for n in model.lengths:
+        for _ in range(MIN_SAMPLES):
+            model.observe(n, int(LINEAR[n] * MS))
+    assert model.chain_cost(8) == pytest.approx(LINEAR[8] * MS)
+    # Past the lengths learned: the slope from 4 to 8 goes on.
+    assert model.chain_cost(12) == pytest.approx((LINEAR[8] + 4 * 1.1) * MS)
+    assert model.chain_cost(2) is None
+    assert model.tree_extra() is None
+    for i in range(MIN_SAMPLES):
+        assert model.tree_extra() is None
+        model.observe(12, int((LINEAR[8] + 4 * 1.1 + 6.0 + (i % 2)) * MS), tree=True)
+    # 6.0, 7.0, 6.0, 7.0, 6.0 ms beyond the chain: median 6, over the cheapest step's 23.7.
+    assert model.tree_extra() == pytest.approx(6.0 / 23.7)
+    assert model.summary()["step_ms_tree_extra"] == 6.0
+    # Tree steps do not count as chain steps of their length.
+    assert model.chain_cost(8) == pytest.approx(LINEAR[8] * MS)
+    # Long without a tree step, the cost is measured again: trees go out until it is.
+    for _ in range(REFRESH_STEPS):
+        model.observe(4, int(LINEAR[4] * MS))
+    assert model.tree_extra() == pytest.approx(6.0 / 23.7)
+    model.observe(4, int(LINEAR[4] * MS))
+    assert model.tree_extra() is None
+    model.observe(12, int((LINEAR[8] + 4 * 1.1 + 2.0) * MS), tree=True)
+    assert model.tree_extra() == pytest.approx(6.0 / 23.7)
+
+
+class OneTree(RetrievalProposer):
+    """Drafts the same tree every step: the chain 5 6 7 and a branch 9, at 0.6."""
+
+    def draft(self, context, max_len):
+        from vllm_retrieval_spec.drafting.tree import TreeDraft
+
+        return TreeDraft(np.array([5, 6, 7, 9], dtype=np.int32), np.array([-1, 0, 1, 0]), 3, 0.6)
+
+
+@pytest.mark.parametrize("extra_ms, trees_at_the_end", [(6.0, False), (0.5, True)])
+def test_a_tree_goes_out_only_while_its_branches_pay_for_the_measured_tree_cost(
+        extra_ms, trees_at_the_end):
+    proposer = OneTree(vllm_config({"method": "pld", "num_speculative_tokens": 8, "tree": "on",
+                                    "pad_drafts": True, "min_draft_len": 3,
+                                    "adaptive_draft_len": False}, max_model_len=256))
+    for n in proposer.step_costs.lengths:
+        for _ in range(MIN_SAMPLES):
+            proposer.step_costs.observe(n, int(LINEAR[n] * MS))
+    proposer.clock = clock = StepClock(LINEAR)
+    context = [1, 2, 3, 4]
+    trees = []
+    for _ in range(12):
+        proposer.observe_batch(["r"], [True])
+        tokens, lengths = batch(context, width=256)
+        draft = proposer.propose([[context[-1]]], lengths, tokens)[0]
+        proposer.precompute_next()
+        trees.append("r" in proposer.trees)
+        assert draft == ([5, 6, 7, 9] if trees[-1] else [5, 6, 7])
+        clock.step(len(draft))
+        clock.now += int(extra_ms * MS) if trees[-1] else 0
+    # Trees until their cost is measured (a step's time is learned after the next propose);
+    # then the branch's 0.6, less its verification, against 5.5 x the measured share.
+    assert trees[:MIN_SAMPLES + 1] == [True] * (MIN_SAMPLES + 1)
+    assert trees[-4:] == [trees_at_the_end] * 4
+    assert proposer.stats()["step_ms_tree_extra"] == pytest.approx(extra_ms)

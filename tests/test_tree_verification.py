@@ -144,7 +144,7 @@ def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_t
     from vllm_retrieval_spec.drafting.tree import TreeDraft
     from vllm_retrieval_spec.tree_verification import TreeVerifier
 
-    tree = TreeDraft(TOKENS, PARENTS, 1)
+    tree = TreeDraft(TOKENS, PARENTS, 1, 0.5)
     verifier = TreeVerifier(paged=None)
     # Rows: a (its tree, cut to 4 nodes by the scheduler), b (a prefill chunk), c (tokens that
     # are not its tree's: verified as the chain vLLM takes them for), d (a chain).
@@ -153,7 +153,7 @@ def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_t
     num_computed = np.array([20, 0, 30, 40])
     positions = torch.arange(19) + 1000
     verifier.begin_step({"a": tree, "c": tree, "d": TreeDraft(np.array([1, 2]),
-                                                              np.array([-1, 0]), 2)},
+                                                              np.array([-1, 0]), 2, 0.0)},
                         ["a", "b", "c", "d"], scheduled, num_scheduled, num_computed, positions,
                         19)
     assert [(t.row, t.parents.tolist(), t.base, t.query_start, t.first_branch)

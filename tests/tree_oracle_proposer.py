@@ -60,5 +60,5 @@ class TreeOracleProposer:
                       for _, (kind, d) in TREE]
             drafts.append(tokens)
             self.trees[self.req_ids[i]] = TreeDraft(np.array(tokens),
-                                                    np.array([p for p, _ in TREE]), 0)
+                                                    np.array([p for p, _ in TREE]), 0, 1.0)
         return drafts

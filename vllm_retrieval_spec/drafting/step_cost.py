@@ -13,6 +13,11 @@ length that is not shorter than it is padded to that length (``padded_draft``). 
 are guesses (the continuation of the last token's latest earlier occurrence): seldom accepted,
 they cost nothing where the longer step is the cheaper one, and they are never verified where
 it is not.
+
+A tree step costs more than a chain of as many tokens: its nodes beside the leading chain attend
+to the context a second time (``tree_verification``), a cost per layer that grows with the
+context, not with the nodes. The same timings measure it (``tree_extra``), and a tree goes out
+only where its branches are expected to add more than that (``RetrievalProposer.branches_pay``).
 """
 
 from __future__ import annotations
@@ -58,10 +63,24 @@ class StepCostModel:
         #: ``targets[d]``: the length a d-token draft is padded to, for the lengths asked
         #: since the medians last changed.
         self.targets: dict[int, int] = {}
+        #: Recent tree steps' time beyond a chain of as many draft tokens, in ns.
+        self.tree_samples: deque[float] = deque(maxlen=SAMPLES)
+        self.tree_extra_median: float | None = None
+        #: Observed step at which a tree step was last measured.
+        self.tree_last_seen = -1
 
-    def observe(self, draft_len: int, step_ns: int) -> None:
-        """A step that verified ``draft_len`` draft tokens took ``step_ns``."""
+    def observe(self, draft_len: int, step_ns: int, tree: bool = False) -> None:
+        """A step that verified ``draft_len`` draft tokens, a tree's nodes where ``tree``, took
+        ``step_ns``."""
         self.steps += 1
+        if tree:
+            chain = self.chain_cost(draft_len)
+            if chain is not None:
+                self.tree_samples.append(step_ns - chain)
+                self.tree_last_seen = self.steps
+                if len(self.tree_samples) >= MIN_SAMPLES:
+                    self.tree_extra_median = _median(self.tree_samples)
+            return
         if draft_len == self.refresh:
             self.refresh = None
         samples = self.samples.get(draft_len)
@@ -69,13 +88,33 @@ class StepCostModel:
             samples.append(step_ns)
             self.last_seen[draft_len] = self.steps
             if len(samples) >= MIN_SAMPLES:
-                # Only this length's median changed; it runs inside propose, so in plain Python
-                # on 15 numbers (numpy's median of every length took ~65 us a step).
-                ordered = sorted(samples)
-                middle = len(ordered) // 2
-                self.medians[draft_len] = float(ordered[middle]) if len(ordered) % 2 else \
-                    (ordered[middle - 1] + ordered[middle]) / 2
+                # Only this length's median changed: it runs inside propose.
+                self.medians[draft_len] = _median(samples)
                 self.targets.clear()
+
+    def chain_cost(self, draft_len: int) -> float | None:
+        """A chain step's time for ``draft_len`` draft tokens: its median, or past the longest
+        length learned, that one's plus the slope from the length half as long; None before
+        the lengths it needs are learned."""
+        if draft_len in self.medians:
+            return self.medians[draft_len]
+        longest = max(self.lengths)
+        half = max(longest // 2, min(n for n in self.lengths if n > 0))
+        if draft_len < longest or longest not in self.medians or half not in self.medians \
+                or half == longest:
+            return None
+        slope = max(self.medians[longest] - self.medians[half], 0.0) / (longest - half)
+        return self.medians[longest] + slope * (draft_len - longest)
+
+    def tree_extra(self) -> float | None:
+        """What a tree step costs beyond a chain of as many draft tokens, as a share of the
+        cheapest step (about one forward); None while not measured, or every ``REFRESH_STEPS`` until a tree step
+        is measured again (the context, and so the cost, grows)."""
+        if self.tree_extra_median is None or not self.medians:
+            return None
+        if self.steps - self.tree_last_seen > REFRESH_STEPS:
+            return None
+        return max(self.tree_extra_median, 0.0) / min(self.medians.values())
 
     def explore(self) -> int | None:
         """A length to pad to this step so that it is measured, or None."""
@@ -100,7 +139,18 @@ class StepCostModel:
 
     def summary(self) -> dict[str, float]:
         """Learned medians in ms, for ``stats``."""
-        return {f"step_ms_draft_{n}": round(c / 1e6, 3) for n, c in sorted(self.medians.items())}
+        summary = {f"step_ms_draft_{n}": round(c / 1e6, 3) for n, c in sorted(self.medians.items())}
+        if self.tree_extra_median is not None:
+            summary["step_ms_tree_extra"] = round(self.tree_extra_median / 1e6, 3)
+        return summary
+
+
+def _median(samples: deque) -> float:
+    # Plain Python on 15 numbers: numpy's median of every length took ~65 us a step.
+    ordered = sorted(samples)
+    middle = len(ordered) // 2
+    return float(ordered[middle]) if len(ordered) % 2 else \
+        (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def padding_lengths(min_len: int, k: int) -> list[int]:

@@ -137,7 +137,7 @@ def best_tree(
     min_len: int,
     branch_min_prob: float,
     max_depth: int,
-) -> tuple[np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray, int, float]:
     """``best_chain``'s chain, then the trie's other nodes best-first while their estimated
     probability of being accepted, ``weight(node) / (weight(root) + prior_weight)``, stays at or
     above ``branch_min_prob``, up to ``max_nodes`` in all and ``max_depth`` deep.
@@ -147,14 +147,15 @@ def best_tree(
     overconfidence (tuned by replay). Starting from the chain makes the tree accept at least
     what the chain would.
 
-    Returns ``(tokens, parents, chain_len)``: nodes in the order added, so every parent
-    precedes its children (``parents[i]`` in [-1, i), -1 for a child of the root) and any prefix
-    of the nodes is itself a tree; the first ``chain_len`` nodes are ``best_chain``'s draft.
+    Returns ``(tokens, parents, chain_len, branch_prob)``: nodes in the order added, so every
+    parent precedes its children (``parents[i]`` in [-1, i), -1 for a child of the root) and any
+    prefix of the nodes is itself a tree; the first ``chain_len`` nodes are ``best_chain``'s
+    draft; ``branch_prob`` is the sum of the other nodes' estimated probabilities.
     """
     tokens = np.empty(max(max_nodes, 0), dtype=np.int32)
     parents = np.empty(max(max_nodes, 0), dtype=np.int32)
     if candidates.shape[0] == 0 or max_nodes <= 0:
-        return tokens[:0], parents[:0], 0
+        return tokens[:0], parents[:0], 0, 0.0
     trie_parent, token, weight, first_child, next_sibling, num_nodes = build_trie(
         candidates, lengths, weights)
     denominator = weight[0] + prior_weight
@@ -180,6 +181,7 @@ def best_tree(
                 frontier[size] = child
                 size += 1
             child = next_sibling[child]
+    branch_prob = 0.0
     while n < max_nodes and size > 0 and denominator > 0:
         best = 0
         for f in range(1, size):
@@ -191,6 +193,7 @@ def best_tree(
         node = frontier[best]
         if weight[node] / denominator < branch_min_prob:
             break
+        branch_prob += weight[node] / denominator
         size -= 1
         frontier[best] = frontier[size]
         tokens[n] = token[node]
@@ -205,7 +208,7 @@ def best_tree(
             frontier[size] = child
             size += 1
             child = next_sibling[child]
-    return tokens[:n], parents[:n], len(chain)
+    return tokens[:n], parents[:n], len(chain), branch_prob
 
 
 class TreeDraft(NamedTuple):
@@ -215,6 +218,9 @@ class TreeDraft(NamedTuple):
     parents: np.ndarray
     #: The first ``chain_len`` nodes are the chain the method drafts with ``tree: "off"``.
     chain_len: int
+    #: Sum of the estimated probabilities of the other nodes (``best_tree``): the tokens the
+    #: branches are expected to add, as the trie sees it.
+    branch_prob: float
 
     def chain(self) -> np.ndarray:
         return self.tokens[:self.chain_len]

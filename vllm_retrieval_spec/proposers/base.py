@@ -18,7 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
+from vllm_retrieval_spec.config import (
+    PLUGIN_KEY,
+    TREE_COST_FACTOR,
+    MethodConfig,
+    config_from_dict,
+)
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
 from vllm_retrieval_spec.drafting.overlap import (
     NextDrafts, ReadyDraft, last_state_rows, precompute_plan)
@@ -55,9 +60,10 @@ class RetrievalProposer:
         parallel = getattr(vllm_config, "parallel_config", None)
         self.step_costs = StepCostModel(self.config.min_draft_len, self.k) \
             if self.config.pad_drafts and getattr(parallel, "world_size", 1) == 1 else None
-        #: (request id, tokens handed to vLLM, when) of the last step in which that request
-        #: decoded alone: the next ``propose`` times its verification (``step_costs``).
-        self._alone: tuple[str, int, int] | None = None
+        #: (request id, tokens handed to vLLM, whether a tree, when) of the last step in which
+        #: that request decoded alone: the next ``propose`` times its verification
+        #: (``step_costs``).
+        self._alone: tuple[str, int, bool, int] | None = None
         #: Clock of those timings, in ns.
         self.clock = time.perf_counter_ns
         #: Drafts padded (``step_costs``) since the stats were last reset.
@@ -91,8 +97,9 @@ class RetrievalProposer:
         #: Drafts made before sampling and handed out, whose bookkeeping waits for
         #: ``_apply_deferred``.
         self._ready_used: list[ReadyDraft] = []
-        #: (draft tokens, ns): the last step's time, for ``step_costs`` in ``_apply_deferred``.
-        self._step_time: tuple[int, int] | None = None
+        #: (draft tokens, ns, whether a tree): the last step's time, for ``step_costs`` in
+        #: ``_apply_deferred``.
+        self._step_time: tuple[int, int, bool] | None = None
         #: Whether ``_apply_deferred`` may have work (set by every ``propose``).
         self._pending = False
         #: Counts for ``self.metrics`` not yet published.
@@ -220,7 +227,7 @@ class RetrievalProposer:
         pad = self.step_costs is not None and running == 1 and len(sampled_token_ids) == 1
         if pad and alone is not None and self.row_req_ids == [alone[0]]:
             # The step since the last propose verified that request's draft and nothing else.
-            self._step_time = (alone[1], now - alone[2])
+            self._step_time = (alone[1], now - alone[3], alone[2])
         self._counts["target_forwards"] += running
         self._counts["output_tokens"] += sum(map(len, sampled_token_ids))
         if self.drafting_off(running):
@@ -243,8 +250,8 @@ class RetrievalProposer:
                     self._ready_used.append(ahead)
                     if ahead.tree is not None:
                         self.trees[req_id] = ahead.tree
-                    elif pad:
-                        self._alone = (req_id, len(ahead.draft), 0)
+                    if pad:
+                        self._alone = (req_id, len(ahead.draft), ahead.tree is not None, 0)
                     if self.drafts_ahead:
                         self.handed.append((i, req_id, ahead.context, ahead.draft))
                     drafts.append(ahead.draft)
@@ -281,7 +288,8 @@ class RetrievalProposer:
                     padded = self._padded(token_ids_cpu[i, :num_tokens], draft)
                     self.padded += len(padded) > len(draft)
                     draft = padded
-                    self._alone = (req_id, len(draft), 0)
+                if pad:
+                    self._alone = (req_id, len(draft), tree is not None, 0)
                 if self.drafts_ahead:
                     # A copy: vLLM may move rows of its buffer before precompute_next runs.
                     self.handed.append((i, req_id, token_ids_cpu[i, :num_tokens].copy(),
@@ -289,7 +297,7 @@ class RetrievalProposer:
             drafts.append(draft)
         self.row_ahead = []
         if self._alone is not None:
-            self._alone = (*self._alone[:2], self.clock())
+            self._alone = (*self._alone[:3], self.clock())
         return drafts
 
     def _padded(self, context: np.ndarray, draft: list[int]) -> list[int]:
@@ -452,10 +460,10 @@ class RetrievalProposer:
             return [], None
         tree = None
         if isinstance(draft, TreeDraft):
-            if row < len(self.tree_rows) and self.tree_rows[row]:
+            # Only greedy requests are verified as trees: the others get the tree's chain.
+            if row < len(self.tree_rows) and self.tree_rows[row] and self.branches_pay(draft):
                 tree, draft = draft, draft.tokens
             else:
-                # Only greedy requests are verified as trees: the others get the tree's chain.
                 draft = draft.chain()
         if len(draft) > max_len:
             self._fail("too_long", f"returned {len(draft)} tokens, more than the allowed {max_len}")
@@ -472,6 +480,18 @@ class RetrievalProposer:
         if too_short(len(draft), max_len, self.config.min_draft_len):
             return [], None
         return draft.tolist(), None if tree is None or is_chain(tree.parents) else tree
+
+    def branches_pay(self, tree: TreeDraft) -> bool:
+        """Whether the nodes beside the tree's chain are expected to add more tokens than they
+        cost: their verification (``tree_min_prob`` each, as ``best_tree`` adds them) and a
+        tree step's fixed cost as measured (``StepCostModel.tree_extra``), both scaled, as
+        ``tree_min_prob`` is, by how much the trie overstates a branch's chances. Yes while
+        that cost is not measured: only tree steps measure it."""
+        extra = None if self.step_costs is None else self.step_costs.tree_extra()
+        if extra is None:
+            return True
+        branches = len(tree.tokens) - tree.chain_len
+        return tree.branch_prob - branches * self.config.tree_min_prob >= TREE_COST_FACTOR * extra
 
     def _injected_fault(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
         kind = next(self._fault_kinds)
