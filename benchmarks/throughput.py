@@ -421,6 +421,12 @@ def _row(run: MethodRun, num_speculative_tokens: int | None, task: str, settings
         row["step_ms_by_draft_len"] = {
             int(key.rsplit("_", 1)[1]): value for key, value in drafting.items()
             if key.startswith("step_ms_draft_")}
+    if drafting.get("tree_nodes_mean") is not None:
+        # Share of the requests' steps that verified a tree (the others a chain: the tree's
+        # branches did not pay for what a tree step costs beyond its nodes, as learned).
+        row["tree_step_share"] = round(drafting.get("tree_steps", 0) / forwards, 3)
+        if "step_ms_tree_extra" in drafting:
+            row["tree_extra_ms"] = drafting["step_ms_tree_extra"]
     if drafting.get("search_ns"):
         # DReSD: share of the ANN search time that drafting did not wait for (thread pool).
         row["search_hidden"] = round(1 - drafting["search_wait_ns"] / drafting["search_ns"], 3)

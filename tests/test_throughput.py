@@ -165,3 +165,11 @@ def test_rows_count_draft_tokens_per_forward_and_plain_has_none():
                    "step_ms_draft_4": 43.8})
     assert padded["padded_share"] == 0.25
     assert padded["step_ms_by_draft_len"] == {0: 50.6, 4: 43.8}
+    assert "tree_step_share" not in padded
+    tree = _row(MethodRun("hybrid/tree", {"method": "hybrid", "tree": "on"}), 24, "chat",
+                settings, [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9,
+                {**no_drafting, "tree_nodes_mean": 3.0, "tree_steps": 1, "padded_drafts": 1,
+                 "step_ms_draft_4": 43.8,
+                 "step_ms_tree_extra": 5.2})
+    assert tree["tree_step_share"] == 0.25 and tree["tree_extra_ms"] == 5.2
+    assert tree["step_ms_by_draft_len"] == {4: 43.8}

@@ -108,8 +108,9 @@ class StepCostModel:
 
     def tree_extra(self) -> float | None:
         """What a tree step costs beyond a chain of as many draft tokens, as a share of the
-        cheapest step (about one forward); None while not measured, or every ``REFRESH_STEPS`` until a tree step
-        is measured again (the context, and so the cost, grows)."""
+        cheapest step (about one forward); None while not measured, and again once
+        ``REFRESH_STEPS`` steps passed without a tree step until one is measured (the cost grows
+        with the context)."""
         if self.tree_extra_median is None or not self.medians:
             return None
         if self.steps - self.tree_last_seen > REFRESH_STEPS:
