@@ -16,6 +16,10 @@ the root, the last context token), the form the drafters emit, so the mask needs
   The mask is built once by the mask kernel and read as tiles by every program: walking parent
   pointers is a chain of dependent loads as long as the tree is deep, better done once per node
   than once per (row block, kv head) program, and the mask is small (16 KiB for 128 nodes).
+  A tree has few rows (16 nodes of SmolLM2 fill 3 programs), so on a GPU the context is also
+  split across programs, flash-decoding style, and a second kernel combines their partial
+  softmaxes. ``tree_attention_masked_triton`` takes a mask built once per step, for the
+  step's every layer.
 
 The torch reference serves CPU and is the test oracle; vLLM-CPU's tree rows take
 ``tree_attention_torch``, the same result from a head-major context without per-head copies
@@ -27,24 +31,34 @@ on CPU tensors too (tests/test_tree_attention.py).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import os
 from typing import Any
 
 import torch
 
+from .launch import have_triton, interpret_requested, multiprocessors
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# tl.dot needs every tile dimension >= 16. Rows are (node, query head) pairs of one kv head: a
-# typical tree (tens of nodes, a few query heads per kv head) fills a few row blocks, and a
-# taller block would mostly be padding for small trees.
-BLOCK_M = 16
+# Rows are (node, query head) pairs of one kv head; every row block reads the whole context, so
+# taller blocks read it fewer times: on an H200, 64-row blocks verified a 64-node tree 2.2x (128
+# nodes: 2.6x) faster than 16-row ones at 32k context, and no slower for 16 nodes
+# (benchmarks/results/kernels-h200-sweep.md). float32 keeps 16 rows (tl.dot's least), as its
+# tiles are twice as large.
+BLOCK_M = 64
+BLOCK_M_FP32 = 16
 #: Context or tree keys per loop iteration of the attention kernel; float32 tiles are twice as
 #: large, so half as long, and pipelined two deep: 43 KiB of shared memory at head_dim 128, which
 #: every GPU has (64 keys, three deep, would need 140 KiB).
 BLOCK_L = 64
 BLOCK_L_FP32 = 32
 NUM_STAGES = 2
+#: Context tokens per program at the least when the context is split across programs (flash
+#: decoding): a tree has too few rows to occupy a GPU otherwise (3 programs for 16 nodes of
+#: SmolLM2), but the combining kernel's launch costs more than one program's pass over 512
+#: tokens (H200: 18 us unsplit, 37 us in two; benchmarks/results/kernels-h200-sweep.md).
+MIN_SPLIT_TOKENS = 1024
+#: (node, head) rows per program of the kernel that combines the splits.
+BLOCK_R = 16
 
 
 def _check_parents(parents: torch.Tensor) -> None:
@@ -52,8 +66,10 @@ def _check_parents(parents: torch.Tensor) -> None:
         raise ValueError(f"parents must be [n], got shape {tuple(parents.shape)}")
     if parents.dtype.is_floating_point or parents.dtype.is_complex or parents.dtype == torch.bool:
         raise ValueError(f"parents must hold integer indices, got {parents.dtype}")
-    index = torch.arange(len(parents), device=parents.device)
-    bad = (parents < -1) | (parents >= index)
+    # On the host: for a GPU tensor one copy costs less than the checks' several tiny kernels
+    # and the wait for their verdict.
+    parents = parents.cpu()
+    bad = (parents < -1) | (parents >= torch.arange(len(parents)))
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         raise ValueError(f"parents[{i}]={int(parents[i])}: a parent must precede its child "
@@ -78,7 +94,12 @@ def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 def _check(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_tree: torch.Tensor,
            v_tree: torch.Tensor, parents: torch.Tensor) -> None:
     _check_parents(parents)
-    n = len(parents)
+    _check_tensors(q, k_ctx, v_ctx, k_tree, v_tree, len(parents))
+
+
+def _check_tensors(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                   k_tree: torch.Tensor, v_tree: torch.Tensor, n: int) -> None:
+    """Shapes, dtypes and devices only: nothing that reads a GPU tensor's values."""
     if q.ndim != 3:
         raise ValueError(f"q must be [n, num_heads, head_dim], got shape {tuple(q.shape)}")
     if q.dtype not in DTYPES:
@@ -158,7 +179,7 @@ _softmax_step: Any = None  # a Triton function, made by _kernels()
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     # The attention kernel calls this helper by a module-level name: Triton's interpreter runs
     # a kernel's source again with the module's globals, without the closure of this function.
     global _softmax_step
@@ -200,14 +221,18 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def attention_kernel(
-        q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, mask_ptr, out_ptr,
-        L, N, HEAD_DIM, qk_scale,
+        q_ptr, kc_ptr, vc_ptr, kt_ptr, vt_ptr, mask_ptr, out_ptr, partial_ptr,
+        L, N, HEAD_DIM, qk_scale, CHUNK, NUM_HEADS,
         stride_qn, stride_qh, stride_kcl, stride_kch, stride_vcl, stride_vch,
         stride_ktn, stride_kth, stride_vtn, stride_vth, stride_m, stride_on, stride_oh,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
         BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         kv = tl.program_id(1)
+        # Split s takes context tokens [s * CHUNK, (s + 1) * CHUNK); the last one the tree too.
+        split = tl.program_id(2)
+        is_last = split == tl.num_programs(2) - 1
         # Row r of the block is (node, query head) pair number first + r of this kv head.
         first = tl.program_id(0) * BLOCK_M
         pair = first + tl.arange(0, BLOCK_M)
@@ -226,9 +251,10 @@ def _kernels() -> tuple[Any, Any]:
         m = tl.full([BLOCK_M], -1.0e30, tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, L, BLOCK_L):
+        context_end = tl.minimum(split * CHUNK + CHUNK, L)
+        for start in range(split * CHUNK, context_end, BLOCK_L):
             keys = start + cols
-            key_ok = keys < L
+            key_ok = keys < context_end
             both = key_ok[:, None] & d_ok[None, :]
             k = tl.load(kc_ptr + keys[:, None] * stride_kcl + kv * stride_kch + d[None, :],
                         mask=both, other=0.0)
@@ -238,7 +264,7 @@ def _kernels() -> tuple[Any, Any]:
                                           DOT_F32, PRECISION)
         # Ancestors precede their nodes: no row here sees a tree key past its last node.
         last_node = (tl.minimum(first + BLOCK_M, N * GROUP) - 1) // GROUP
-        for start in range(0, last_node + 1, BLOCK_L):
+        for start in range(0, tl.where(is_last, last_node + 1, 0), BLOCK_L):
             keys = start + cols
             key_ok = keys < N
             both = key_ok[:, None] & d_ok[None, :]
@@ -250,77 +276,155 @@ def _kernels() -> tuple[Any, Any]:
                         mask=both, other=0.0)
             m, total, acc = _softmax_step(q, k, v, visible, m, total, acc, qk_scale,
                                           DOT_F32, PRECISION)
-        # Every stored row sees at least itself, so total >= 1.
-        out = acc / tl.maximum(total, 1.0e-30)[:, None]
-        tl.store(out_ptr + node[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if SPLIT:
+            # Partials [splits, N * NUM_HEADS, 2 + BLOCK_D] per (node, head) row: m, total, acc.
+            row = (split * N + node) * NUM_HEADS + head
+            base = partial_ptr + row * (2 + BLOCK_D)
+            tl.store(base, m, mask=row_ok)
+            tl.store(base + 1, total, mask=row_ok)
+            tl.store(base[:, None] + 2 + d[None, :], acc, mask=row_ok[:, None])
+        else:
+            # Every stored row sees at least itself, so total >= 1.
+            out = acc / tl.maximum(total, 1.0e-30)[:, None]
+            tl.store(out_ptr + node[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
-    return mask_kernel, attention_kernel
+    @triton.jit
+    def combine_kernel(partial_ptr, out_ptr, ROWS, NUM_HEADS, HEAD_DIM, SPLITS,
+                       stride_on, stride_oh, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # The splits' online softmaxes merged: each rescaled to the largest running max.
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < ROWS
+        d = tl.arange(0, BLOCK_D)
+        m = tl.full([BLOCK_R], -1.0e30, tl.float32)
+        for split in range(0, SPLITS):
+            base = partial_ptr + (split * ROWS + rows) * (2 + BLOCK_D)
+            m = tl.maximum(m, tl.load(base, mask=row_ok, other=-1.0e30))
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for split in range(0, SPLITS):
+            base = partial_ptr + (split * ROWS + rows) * (2 + BLOCK_D)
+            weight = tl.exp2(tl.load(base, mask=row_ok, other=-1.0e30) - m)
+            total += weight * tl.load(base + 1, mask=row_ok, other=0.0)
+            acc += weight[:, None] * tl.load(base[:, None] + 2 + d[None, :],
+                                             mask=row_ok[:, None], other=0.0)
+        out = acc / tl.maximum(total, 1.0e-30)[:, None]
+        node = rows // NUM_HEADS
+        head = rows % NUM_HEADS
+        tl.store(out_ptr + node[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+    return mask_kernel, attention_kernel, combine_kernel
 
 
 def _mask_int8(parents: torch.Tensor, device: torch.device) -> torch.Tensor:
     n = len(parents)
     mask = torch.zeros((n, n), dtype=torch.int8, device=device)
     if n:
-        _kernels()[0][(n,)](parents.to(device=device, dtype=torch.int32).contiguous(), mask,
-                            mask.stride(0))
+        # Any integer dtype: the kernel casts each parent it loads.
+        _kernels()[0][(n,)](parents.to(device).contiguous(), mask, mask.stride(0))
     return mask
 
 
 def tree_mask_triton(parents: torch.Tensor) -> torch.Tensor:
     """:func:`tree_ancestor_mask` by the Triton kernel."""
     _check_parents(parents)
-    return _mask_int8(parents, parents.device).bool()
+    # 0 and 1 bytes are bool's own representation: no conversion kernel.
+    return _mask_int8(parents, parents.device).view(torch.bool)
 
 
 def tree_attention_triton(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                           k_tree: torch.Tensor, v_tree: torch.Tensor, parents: torch.Tensor,
                           scale: float) -> torch.Tensor:
-    """The Triton kernel; same contract as :func:`tree_attention_reference`."""
+    """The Triton kernels; same contract as :func:`tree_attention_reference`."""
     _check(q, k_ctx, v_ctx, k_tree, v_tree, parents)
+    return _attend(q, k_ctx, v_ctx, k_tree, v_tree, _mask_int8(parents, q.device), scale, None)
+
+
+def tree_attention_masked_triton(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                                 k_tree: torch.Tensor, v_tree: torch.Tensor, mask: torch.Tensor,
+                                 scale: float, splits: int | None = None) -> torch.Tensor:
+    """:func:`tree_attention_triton` given the tree's mask (:func:`tree_mask_triton`, bool or
+    int8, on ``q``'s device) instead of its parents: a step builds the mask once for all its
+    layers. Reads no tensor's values on the host, so a step's layers queue without waiting for
+    the GPU.
+
+    ``splits``: programs the context is split across per (row block, kv head), whose partial
+    softmaxes a second kernel combines; by default as many as give the GPU's multiprocessors
+    two programs each at most, with at least ``MIN_SPLIT_TOKENS`` context tokens per split (one
+    split for a CPU under the interpreter)."""
+    n = len(q) if q.ndim == 3 else -1
+    if mask.shape != (n, n) or mask.dtype not in (torch.bool, torch.int8):
+        raise ValueError(f"mask must be bool or int8 [n, n] = [{n}, {n}], got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    _check_tensors(q, k_ctx, v_ctx, k_tree, v_tree, n)
+    return _attend(q, k_ctx, v_ctx, k_tree, v_tree, mask.view(torch.int8), scale, splits)
+
+
+def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_tree: torch.Tensor,
+            v_tree: torch.Tensor, mask: torch.Tensor, scale: float, splits: int | None,
+            block_m: int | None = None) -> torch.Tensor:
+    """``block_m``: rows per program, a power of 2 >= 16; by default BLOCK_M (BLOCK_M_FP32 for
+    float32). ``benchmarks/kernel_sweep.py`` times the alternatives."""
     import triton
 
     n, num_heads, head_dim = q.shape
     out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    mask = _mask_int8(parents, q.device)
-    # The kernel reads the head dimension with unit stride.
+    # The kernel reads the head dimension and the mask's rows with unit stride.
     q, k_ctx, v_ctx, k_tree, v_tree = (t if t.stride(2) == 1 else t.contiguous()
                                        for t in (q, k_ctx, v_ctx, k_tree, v_tree))
+    mask = mask if mask.stride(1) == 1 else mask.contiguous()
     num_kv_heads = k_ctx.shape[1]
     group = num_heads // num_kv_heads
+    context = len(k_ctx)
     # float32 inputs get full fp32 dots, not TF32 (10-bit mantissa), which would be far from
     # the reference. Triton's interpreter multiplies bfloat16 dot operands as their raw 16-bit
     # patterns (triton 3.9), so interpreted bfloat16 upcasts them first: exact, and P is
     # rounded to bfloat16 all the same, so the numbers are those of the compiled kernel.
     # ("tf32" is only the default for 16-bit operands, where it means nothing.)
     fp32 = q.dtype == torch.float32
-    dot_f32 = q.dtype == torch.bfloat16 and _interpreting()
-    _kernels()[1][(triton.cdiv(n * group, BLOCK_M), num_kv_heads)](
-        q, k_ctx, v_ctx, k_tree, v_tree, mask, out,
-        len(k_ctx), n, head_dim, scale * math.log2(math.e),
+    block_l = BLOCK_L_FP32 if fp32 else BLOCK_L
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = block_m or (BLOCK_M_FP32 if fp32 else BLOCK_M)
+    row_blocks = triton.cdiv(n * group, block_m)
+    if splits is None:
+        # At most two programs per multiprocessor: a third, partial wave would cost a whole
+        # program's time (H200, 64 nodes of Llama-3-8B at 32k: 9 splits 185 us, 8 splits 124).
+        splits = min(max(1, 2 * multiprocessors(q.device) // (row_blocks * num_kv_heads)),
+                     triton.cdiv(context, MIN_SPLIT_TOKENS))
+    # Whole key tiles per split, and no split left without one.
+    tiles = triton.cdiv(context, block_l)
+    chunk = max(1, triton.cdiv(tiles, max(1, min(splits, tiles)))) * block_l
+    splits = max(1, triton.cdiv(context, chunk))
+    partial = torch.empty((splits, n * num_heads, 2 + block_d) if splits > 1 else (0,),
+                          dtype=torch.float32, device=q.device)
+    _, attention_kernel, combine_kernel = _kernels()
+    attention_kernel[(row_blocks, num_kv_heads, splits)](
+        q, k_ctx, v_ctx, k_tree, v_tree, mask, out, partial,
+        context, n, head_dim, scale * math.log2(math.e), chunk, num_heads,
         q.stride(0), q.stride(1), k_ctx.stride(0), k_ctx.stride(1), v_ctx.stride(0),
         v_ctx.stride(1), k_tree.stride(0), k_tree.stride(1), v_tree.stride(0), v_tree.stride(1),
         mask.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=BLOCK_M, BLOCK_L=BLOCK_L_FP32 if fp32 else BLOCK_L,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_F32=dot_f32,
-        PRECISION="ieee" if fp32 else "tf32", num_stages=NUM_STAGES,
+        GROUP=group, BLOCK_M=block_m, BLOCK_L=block_l, BLOCK_D=block_d,
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
+        PRECISION="ieee" if fp32 else "tf32", SPLIT=splits > 1, num_stages=NUM_STAGES,
     )
+    if splits > 1:
+        combine_kernel[(triton.cdiv(n * num_heads, BLOCK_R),)](
+            partial, out, n * num_heads, num_heads, head_dim, splits, out.stride(0),
+            out.stride(1), BLOCK_R=BLOCK_R, BLOCK_D=block_d)
     return out
-
-
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _interpreting() -> bool:
     """Whether Triton runs these kernels in its interpreter: ``TRITON_INTERPRET`` was set when
     Triton was first imported (it then interprets ``triton.language`` itself) and when the
     kernels were built. Triton is not imported unless the variable is set."""
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("", "0", "false", "off", "no") \
-            or not _have_triton():
+    if not interpret_requested() or not have_triton():
         return False
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
@@ -330,7 +434,7 @@ def _interpreting() -> bool:
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return (t.is_cuda and _have_triton()) or _interpreting()
+    return (t.is_cuda and have_triton()) or _interpreting()
 
 
 def tree_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -72,3 +72,21 @@ def test_full_run_needs_a_gpu(tmp_path):
         capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_quick_sweep_times_every_choice_and_the_default(tmp_path):
+    pytest.importorskip("triton")
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_retrieval_spec.benchmarks.kernel_sweep", "--quick",
+         "--run-name", "sweep", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    attention, projection = result["rows"]
+    # 300 context tokens: 2 splits would be 150 tokens each, below the 256 worth timing.
+    assert list(attention["us"]) == ["default", "rows16-splits1", "rows32-splits1"]
+    assert list(projection["us"]) == ["default", "splits1", "splits2"]
+    assert all(t > 0 for row in (attention, projection) for t in row["us"].values())
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| model | context | nodes | default | rows16-splits1 | rows32-splits1 |" in table

@@ -51,8 +51,8 @@ def _strided() -> tuple[torch.Tensor, ...]:
     return wide, mean, inv_std, components.t().contiguous().t()
 
 
-def _zero_row() -> tuple[torch.Tensor, ...]:
-    hidden, mean, inv_std, components = _inputs(2, 64, 16)
+def _zero_row(h: int = 64) -> tuple[torch.Tensor, ...]:
+    hidden, mean, inv_std, components = _inputs(2, h, 16)
     hidden[0] = mean  # z-normalises to zero: eps must keep the row at zero, not NaN
     return hidden, mean, inv_std, components
 
@@ -67,6 +67,16 @@ CASES = {
     "strided": _strided,
     "zero-row": _zero_row,
     "empty": functools.partial(_inputs, 0, 64, 16),
+    # 130 rows >= 2 x 64 x one "multiprocessor": 64-row blocks, a partial last one.
+    "large-blocks-B130-H100-d64": functools.partial(_inputs, 130, 100, 64),
+}
+# The hidden dimension split across programs, as a GPU splits it for small batches (the
+# interpreter's one "multiprocessor" never asks for it): (inputs, splits asked for).
+SPLIT_CASES = {
+    "split3-B3-H1000-d48": (functools.partial(_inputs, 3, 1000, 48), 3),
+    "split3-B130-H1000-d64": (functools.partial(_inputs, 130, 1000, 64), 3),
+    "split50-B5-H200-d16": (functools.partial(_inputs, 5, 200, 16), 50),  # 4: one per tile
+    "split3-zero-row": (functools.partial(_zero_row, 300), 4),  # 3 splits of 2 tiles
 }
 
 
@@ -76,10 +86,12 @@ def _project_cases_interpreted(path: str) -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     # Outputs start as torch.empty, so matching the reference also shows the kernel ran.
-    kernels = (tl.zeros, projection._kernel())
+    kernels = (tl.zeros, *projection._kernels())
     torch.save({
         "interpreted": [isinstance(f, InterpretedFunction) for f in kernels],
-        "outputs": {name: project_triton(*make()) for name, make in CASES.items()},
+        "outputs": {**{name: project_triton(*make()) for name, make in CASES.items()},
+                    **{name: project_triton(*make(), splits=splits)
+                       for name, (make, splits) in SPLIT_CASES.items()}},
     }, path)
 
 
@@ -88,9 +100,10 @@ def triton_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
     return run_interpreted(__file__, tmp_path_factory.mktemp("kernels"))["outputs"]
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES])
 def test_triton_matches_reference(triton_outputs, name):
-    expected = project_reference(*CASES[name]())
+    make = CASES[name] if name in CASES else SPLIT_CASES[name][0]
+    expected = project_reference(*make())
     out = triton_outputs[name]
     assert out.dtype == torch.float32 and out.shape == expected.shape
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
@@ -102,8 +115,9 @@ def test_triton_rows_have_unit_norm(triton_outputs, name):
     torch.testing.assert_close(out.norm(dim=1), torch.ones(len(out)), atol=ATOL, rtol=0)
 
 
-def test_triton_keeps_a_zero_projection_at_zero(triton_outputs):
-    assert torch.equal(triton_outputs["zero-row"][0], torch.zeros(16))
+@pytest.mark.parametrize("name", ["zero-row", "split3-zero-row"])
+def test_triton_keeps_a_zero_projection_at_zero(triton_outputs, name):
+    assert torch.equal(triton_outputs[name][0], torch.zeros(16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

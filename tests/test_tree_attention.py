@@ -21,6 +21,7 @@ from vllm_retrieval_spec.kernels import tree_attention as kernels
 from vllm_retrieval_spec.kernels.tree_attention import (
     tree_ancestor_mask,
     tree_attention,
+    tree_attention_masked_triton,
     tree_attention_reference,
     tree_attention_torch,
     tree_attention_triton,
@@ -150,6 +151,15 @@ CASES = {
         ("random-128", 0, 2, 2, 64, torch.bfloat16, None),
     ]}
 STRIDED = {f"strided-{str(dtype)[6:]}": dtype for dtype in (torch.float32, torch.bfloat16)}
+# The context split across programs, as a GPU splits it (the interpreter's one "multiprocessor"
+# never asks for it): case, splits asked for. Key tiles are 32 (float32) or 64 tokens long.
+SPLIT_CASES = {
+    "chain-40-L64-h2/2-d64-float32-peaky": 2,      # the max moves between splits
+    "rest-64-L130-h8/2-d128-bfloat16": 3,          # the last split: 2 context tokens + the tree
+    "random-20-L70-h2/1-d128-float32": 5,          # 3 tiles: 3 splits
+    "random-20-L31-h4/2-d64-float16": 2,           # 1 tile: 1 split
+    "single-L0-h2/1-d64-float32": 4,               # no context: 1 split, the tree alone
+}
 
 
 def case_inputs(name: str) -> tuple[tuple[torch.Tensor, ...], float]:
@@ -172,6 +182,9 @@ def _run_interpreted(path: str) -> None:
         "attention": {name: tree_attention_triton(*inputs, scale)
                       for name in [*CASES, *STRIDED] for inputs, scale in [case_inputs(name)]},
         "masks": {name: tree_mask_triton(parents) for name, parents in TREES.items()},
+        "split": {name: tree_attention_masked_triton(*inputs[:5], tree_mask_triton(inputs[5]),
+                                                     scale, splits=splits)
+                  for name, splits in SPLIT_CASES.items() for inputs, scale in [case_inputs(name)]},
         # The public functions take the kernels on CPU tensors under the interpreter.
         "uses_triton": kernels._use_triton(torch.zeros(1)),
         "public_mask": tree_mask(TREES["random-20"]),
@@ -197,6 +210,15 @@ def test_triton_attention_matches_reference_and_oracle(triton_outputs, name):
     assert out.dtype == expected.dtype and out.shape == expected.shape
     _assert_close(out, expected, out.dtype)
     _assert_close(out, oracle(*inputs, scale), out.dtype)
+
+
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_split_context_matches_reference_and_the_unsplit_kernel(triton_outputs, name):
+    inputs, scale = case_inputs(name)
+    out = triton_outputs["split"][name]
+    _assert_close(out, tree_attention_reference(*inputs, scale), out.dtype)
+    _assert_close(out, oracle(*inputs, scale), out.dtype)
+    _assert_close(out, triton_outputs["attention"][name], out.dtype)
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name.startswith("chain")])
@@ -379,6 +401,21 @@ BAD_PARENTS = [
 def test_bad_inputs_are_refused(function, change, message):
     with pytest.raises(ValueError, match=message):
         function(**change(_valid_args()), scale=0.125)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "mask": a["mask"][:3]}, r"mask must be bool or int8 \[n, n\] = \[4, 4\], "
+                                             r"got torch.bool \(3, 4\)"),
+    (lambda a: {**a, "mask": a["mask"].float()}, "mask must be bool or int8"),
+    (lambda a: {**a, "mask": a["mask"].to("meta")}, "mask is on meta but q is on cpu"),
+    (lambda a: {**a, "v_tree": a["v_tree"][:3]}, r"one row per node \(4\)"),
+    (lambda a: {**a, "k_ctx": a["k_ctx"].half()}, "all inputs must share q's dtype"),
+])
+def test_bad_inputs_are_refused_with_a_mask(change, message):
+    args = _valid_args()
+    args["mask"] = tree_ancestor_mask(args.pop("parents"))
+    with pytest.raises(ValueError, match=message):
+        tree_attention_masked_triton(**change(args), scale=0.125)
 
 
 @pytest.mark.parametrize("parents, message", BAD_PARENTS)
