@@ -22,7 +22,7 @@ the root, the last context token), the form the drafters emit, so the mask needs
   step's every layer.
 
 The torch reference serves CPU and is the test oracle; vLLM-CPU's tree rows take
-``tree_attention_torch``, the same result from a head-major context without per-head copies
+``tree_attention_torch``, the same result from the paged cache's blocks without copying them
 (``tree_verification.py``). Triton is imported on first use, as in ``projection.py``; with
 ``TRITON_INTERPRET=1`` set before Triton's first import, the public functions run the kernels
 on CPU tensors too (tests/test_tree_attention.py).
@@ -147,30 +147,44 @@ def tree_attention_reference(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.
     return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values).to(q.dtype)
 
 
-def tree_attention_torch(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor,
-                         k_tree: torch.Tensor, v_tree: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+def tree_attention_torch(q: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+                         key_tail: torch.Tensor, value_tail: torch.Tensor, k_tree: torch.Tensor,
+                         v_tree: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """:func:`tree_attention_reference`'s result, fast on CPU: the path vLLM-CPU's tree rows
     take every layer of every step (``tree_verification``).
 
-    The context comes head-major, as gathered from a paged KV cache: ``keys_t`` ``[num_kv_heads,
-    head_dim, L]``, ``values`` ``[num_kv_heads, L, head_dim]``; ``mask`` is
-    ``tree_ancestor_mask(parents)``, built once per step rather than per layer. ``q`` and
-    ``mask`` may hold only the last nodes' rows: those are computed, against all the nodes'
-    keys and values (vLLM-CPU's tree rows after the leading chain). The query heads sharing a
-    kv head are batched into one matrix product instead of copying the context once per query
-    head (the reference's way): 2-10x faster at 300-800 context tokens."""
+    The context comes as the paged KV cache holds it: its whole blocks, ``key_blocks``
+    ``[blocks, num_kv_heads, head_dim, block_size]`` and ``value_blocks`` ``[blocks,
+    num_kv_heads, block_size, head_dim]``, in any order (attention does not depend on the
+    keys' order), then the tokens of its last, partial block, ``key_tail`` ``[num_kv_heads,
+    head_dim, tokens]`` and ``value_tail`` ``[num_kv_heads, tokens, head_dim]`` (possibly none).
+    ``mask`` is ``tree_ancestor_mask(parents)``, built once per step rather than per layer.
+    ``q`` and ``mask`` may hold only the last nodes' rows: those are computed, against all the
+    nodes' keys and values (vLLM-CPU's tree rows after the leading chain).
+
+    The query heads sharing a kv head are batched into one matrix product instead of copying
+    the context once per query head (the reference's way), and the blocks are multiplied where
+    they lie, rather than gathered into one head-major copy first."""
     rows, num_heads, head_dim = q.shape
-    num_kv_heads, _, context = keys_t.shape
+    blocks, num_kv_heads, _, block_size = key_blocks.shape
     group = num_heads // num_kv_heads
+    width = rows * group
     queries = (q.float() * scale).reshape(rows, num_kv_heads, group, head_dim)
-    queries = queries.permute(1, 0, 2, 3).reshape(num_kv_heads, rows * group, head_dim)
+    queries = queries.permute(1, 0, 2, 3).reshape(num_kv_heads, width, head_dim)
+    whole = blocks * block_size
+    tail_end = whole + key_tail.shape[2]
     tree_scores = torch.bmm(queries, k_tree.float().permute(1, 2, 0))
-    visible = mask.repeat_interleave(group, dim=0)
-    tree_scores = tree_scores.masked_fill(~visible, float("-inf"))
-    weights = torch.cat([torch.bmm(queries, keys_t.float()), tree_scores], dim=2).softmax(dim=2)
-    out = torch.bmm(weights[:, :, :context], values.float()) + torch.bmm(
-        weights[:, :, context:], v_tree.float().transpose(0, 1))
+    weights = torch.cat([
+        # [blocks, kv, width, block] -> [kv, width, blocks * block]
+        torch.matmul(queries, key_blocks.float()).permute(1, 2, 0, 3).reshape(
+            num_kv_heads, width, whole),
+        torch.bmm(queries, key_tail.float()),
+        tree_scores.masked_fill(~mask.repeat_interleave(group, dim=0), float("-inf")),
+    ], dim=2).softmax(dim=2)
+    per_block = weights[:, :, :whole].reshape(num_kv_heads, width, blocks, block_size)
+    out = (torch.matmul(per_block.permute(2, 0, 1, 3), value_blocks.float()).sum(dim=0)
+           + torch.bmm(weights[:, :, whole:tail_end], value_tail.float())
+           + torch.bmm(weights[:, :, tail_end:], v_tree.float().transpose(0, 1)))
     return out.reshape(num_kv_heads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(
         rows, num_heads, head_dim).to(q.dtype)
 

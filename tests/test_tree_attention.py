@@ -259,13 +259,26 @@ def test_public_functions_run_the_references_on_cpu():
     assert torch.equal(tree_mask(rest_like()), tree_ancestor_mask(rest_like()))
 
 
+def cache_blocks(k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                 block_size: int) -> tuple[torch.Tensor, ...]:
+    """The context as vLLM-CPU's paged cache yields it (tree_verification.PagedKV.blocks_of):
+    its whole blocks, keys ``[blocks, kv heads, head_dim, block_size]`` and values ``[blocks,
+    kv heads, block_size, head_dim]``, here in reverse order, then the last partial block's
+    keys ``[kv heads, head_dim, tokens]`` and values ``[kv heads, tokens, head_dim]``."""
+    tokens, kv, dim = k_ctx.shape
+    whole = tokens // block_size * block_size
+    keys, values = (t[:whole].reshape(-1, block_size, kv, dim).flip(0) for t in (k_ctx, v_ctx))
+    return (keys.permute(0, 2, 3, 1), values.transpose(1, 2), k_ctx[whole:].permute(1, 2, 0),
+            v_ctx[whole:].transpose(0, 1))
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
 @pytest.mark.parametrize("name", [*CASES, *STRIDED])
-def test_cpu_path_matches_reference(name):
+def test_cpu_path_matches_reference(name, block_size):
     (q, k_ctx, v_ctx, k_tree, v_tree, parents), scale = case_inputs(name)
     expected = tree_attention_reference(q, k_ctx, v_ctx, k_tree, v_tree, parents, scale)
-    # The context head-major, as vLLM-CPU's paged cache is read (tree_verification.PagedKV).
-    out = tree_attention_torch(q, k_ctx.permute(1, 2, 0), v_ctx.transpose(0, 1), k_tree,
-                               v_tree, tree_ancestor_mask(parents), scale)
+    out = tree_attention_torch(q, *cache_blocks(k_ctx, v_ctx, block_size), k_tree, v_tree,
+                               tree_ancestor_mask(parents), scale)
     assert out.dtype == expected.dtype and out.shape == expected.shape
     _assert_close(out, expected, expected.dtype)
 
@@ -277,8 +290,8 @@ def test_cpu_path_computes_only_the_last_rows_when_given_them(first):
     inputs, scale = case_inputs("random-20-L70-h2/1-d128-float32")
     q, k_ctx, v_ctx, k_tree, v_tree, parents = inputs
     expected = tree_attention_reference(q, k_ctx, v_ctx, k_tree, v_tree, parents, scale)
-    out = tree_attention_torch(q[first:], k_ctx.permute(1, 2, 0), v_ctx.transpose(0, 1), k_tree,
-                               v_tree, tree_ancestor_mask(parents)[first:], scale)
+    out = tree_attention_torch(q[first:], *cache_blocks(k_ctx, v_ctx, 16), k_tree, v_tree,
+                               tree_ancestor_mask(parents)[first:], scale)
     assert out.shape == expected[first:].shape
     _assert_close(out, expected[first:], torch.float32)
 

@@ -137,6 +137,44 @@ def test_paged_kv_reads_what_vllm_cpu_writes():
     wrong = PagedKV(paged.isa, 64)
     wrong.read = lambda cache, s: (paged.read(cache, s)[1], paged.read(cache, s)[0])
     assert not wrong.check(kv_cache)
+    # So is a block reader that takes the keys' [head_size, block_size] for [block_size, ...].
+    wrong = PagedKV(paged.isa, 64)
+    wrong.blocks_of = lambda cache, context: (
+        paged.blocks_of(cache, context)[0].transpose(2, 3).reshape(-1, 3, 64, 32),
+        *paged.blocks_of(cache, context)[1:])
+    assert paged.check(kv_cache) and not wrong.check(kv_cache)
+
+
+def test_context_blocks_are_read_in_place_when_they_form_a_range():
+    torch = pytest.importorskip("torch")
+    from vllm_retrieval_spec.tree_verification import ContextBlocks, PagedKV
+
+    find = PagedKV.context_blocks
+    # 70 tokens in blocks of 32: 2 whole blocks, then 6 tokens of the third.
+    assert find(torch.tensor([5, 6, 7, 9], dtype=torch.int32), 70, 32) == \
+        ContextBlocks(slice(5, 7), 7, 6)
+    # In any order (blocks come back from finished requests reversed), and none partial.
+    assert find(torch.tensor([6, 5, 2]), 64, 32) == ContextBlocks(slice(5, 7), 0, 0)
+    scattered = find(torch.tensor([5, 7, 6, 8]), 70, 32)
+    assert scattered.whole.tolist() == [5, 7] and (scattered.tail_block, scattered.tail_tokens) \
+        == (6, 6)
+    short = find(torch.tensor([3]), 5, 32)
+    assert short.whole.numel() == 0 and (short.tail_block, short.tail_tokens) == (3, 5)
+
+    paged = PagedKV("vec", 64)
+    kv_cache = torch.randn(10, 3, 32, 2 * 64)
+    # vLLM-CPU's cache: each (block, kv head) holds 32 keys' bytes, then 32 values.
+    keys = kv_cache.view(10, 3, 64, 64)[:, :, :32].reshape(10, 3, 64, 32)
+    values = kv_cache.view(10, 3, 64, 64)[:, :, 32:]
+    key_blocks, value_blocks, key_tail, value_tail = paged.blocks_of(
+        kv_cache, find(torch.tensor([5, 6, 7, 9]), 70, 32))
+    assert torch.equal(key_blocks, keys[5:7]) and torch.equal(value_blocks, values[5:7])
+    assert torch.equal(key_tail, keys[7, :, :, :6]) and torch.equal(value_tail, values[7, :, :6])
+    # A range is read in place: views of the cache, no copy.
+    assert all(t.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr()
+               for t in (key_blocks, value_blocks, key_tail, value_tail))
+    key_blocks, value_blocks, _, _ = paged.blocks_of(kv_cache, scattered)
+    assert torch.equal(key_blocks, keys[[5, 7]]) and torch.equal(value_blocks, values[[5, 7]])
 
 
 def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_tree():

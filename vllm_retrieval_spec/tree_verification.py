@@ -103,6 +103,15 @@ def tree_eligible(sampling_params: Any) -> bool:
             and p.structured_outputs is None and p.thinking_token_budget is None)
 
 
+@dataclass(frozen=True)
+class ContextBlocks:
+    """Where a request's context lies in the paged KV cache: its whole blocks (a range of block
+    ids, read in place, or their indices), then ``tail_tokens`` tokens of ``tail_block``."""
+    whole: Any               # slice or int64 tensor of block ids
+    tail_block: int
+    tail_tokens: int
+
+
 @dataclass
 class TreeRow:
     """One request's tree in this step."""
@@ -114,6 +123,9 @@ class TreeRow:
     first_branch: int
     #: tree_ancestor_mask(parents)'s rows from ``first_branch`` on, for every layer of the step.
     mask: Any = None
+    #: The cache blocks of the context (the root included), found at the step's first layer:
+    #: every layer's cache shares the block table.
+    context: ContextBlocks | None = None
 
 
 @dataclass
@@ -154,18 +166,29 @@ class PagedKV:
             blocks, :, :, offsets]
         return keys, values
 
-    def read_prefix(self, kv_cache: Any, blocks: Any, length: int) -> tuple[Any, Any]:
-        """A request's first ``length`` tokens, head-major, as attention consumes them: keys
-        ``[num_kv_heads, head_size, length]``, values ``[num_kv_heads, length, head_size]``.
-        ``blocks`` is its block table; whole blocks are gathered, then trimmed."""
+    @staticmethod
+    def context_blocks(blocks: Any, length: int, block_size: int) -> ContextBlocks:
+        """Where a request's first ``length`` tokens lie, from its block table ``blocks``."""
+        whole, tail_tokens = divmod(length, block_size)
+        ids = blocks[:whole].long()
+        # A table's blocks are distinct, so ids spanning whole - 1 are one range (in any order,
+        # as blocks freed by earlier requests come back).
+        if whole and int(ids.max()) - int(ids.min()) == whole - 1:
+            ids = slice(int(ids.min()), int(ids.max()) + 1)
+        return ContextBlocks(ids, int(blocks[whole]) if tail_tokens else 0, tail_tokens)
+
+    def blocks_of(self, kv_cache: Any, context: ContextBlocks) -> tuple[Any, Any, Any, Any]:
+        """The context as ``tree_attention_torch`` consumes it: keys ``[blocks, num_kv_heads,
+        head_size, block_size]`` and values ``[blocks, num_kv_heads, block_size, head_size]`` of
+        its whole blocks (views of the cache for a range of blocks, else copies), then keys
+        ``[num_kv_heads, head_size, tokens]`` and values ``[num_kv_heads, tokens, head_size]`` of
+        its last block's tokens (views)."""
         key_cache, value_cache = self._split(kv_cache)
         num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
-        used = blocks[:(length + block_size - 1) // block_size]
         keys = key_cache.reshape(num_blocks, num_kv_heads, head_size, block_size)
-        keys = keys.index_select(0, used).permute(1, 2, 0, 3).reshape(num_kv_heads, head_size, -1)
-        values = value_cache.index_select(0, used).permute(1, 0, 2, 3).reshape(
-            num_kv_heads, -1, head_size)
-        return keys[:, :, :length], values[:, :length]
+        tail = context.tail_block
+        return (keys[context.whole], value_cache[context.whole],
+                keys[tail, :, :, :context.tail_tokens], value_cache[tail, :, :context.tail_tokens])
 
     def write(self, kv_cache: Any, slots: Any, keys: Any, values: Any) -> None:
         from vllm import _custom_ops as ops
@@ -188,12 +211,18 @@ class PagedKV:
         values = torch.randn(shape, generator=generator).to(kv_cache.dtype)
         self.write(scratch, slots, keys, values)
         read_keys, read_values = self.read(scratch, slots)
-        prefix_keys, prefix_values = self.read_prefix(scratch, torch.tensor([1, 0]),
-                                                      len(slots) - 3)
-        block_order = torch.cat([slots[block_size:], slots[:block_size]])[:len(slots) - 3]
-        return bool(torch.equal(read_keys, keys) and torch.equal(read_values, values)
-                    and torch.equal(prefix_keys, keys[block_order].permute(1, 2, 0))
-                    and torch.equal(prefix_values, values[block_order].transpose(0, 1)))
+        ok = torch.equal(read_keys, keys) and torch.equal(read_values, values)
+        # A whole block and a partial one, back in token order.
+        length = len(slots) - 3
+        order = slots.roll(block_size)[:length]
+        context = self.context_blocks(torch.tensor([1, 0]), length, block_size)
+        key_blocks, value_blocks, key_tail, value_tail = self.blocks_of(scratch, context)
+        ok = ok and torch.equal(
+            torch.cat([key_blocks.permute(0, 3, 1, 2).flatten(0, 1), key_tail.permute(2, 0, 1)]),
+            keys[order]) and torch.equal(
+            torch.cat([value_blocks.transpose(1, 2).flatten(0, 1), value_tail.transpose(0, 1)]),
+            values[order])
+        return bool(ok)
 
 
 class TreeVerifier:
@@ -269,13 +298,14 @@ class TreeVerifier:
         step.block_table = attn_metadata.block_table
         for tree in step.rows:
             n = len(tree.parents)
-            keys, values = self.paged.read_prefix(
-                kv_cache, attn_metadata.block_table[tree.row], tree.base + 1)
+            if tree.context is None:
+                tree.context = self.paged.context_blocks(
+                    attn_metadata.block_table[tree.row], tree.base + 1, kv_cache.shape[2])
             first = tree.query_start + 1
             rows = slice(first + tree.first_branch, first + n)
             output[rows] = tree_attention_torch(
-                query[rows], keys, values, key[first:first + n], value[first:first + n],
-                tree.mask, impl.scale)
+                query[rows], *self.paged.blocks_of(kv_cache, tree.context),
+                key[first:first + n], value[first:first + n], tree.mask, impl.scale)
 
     def walk(self, logits: Any, num_draft_tokens: list[int],
              draft_token_ids: Any) -> list[tuple[TreeRow, list[int], list[int]]]:
