@@ -10,20 +10,17 @@ runs a few small shapes on CPU under ``TRITON_INTERPRET=1`` (the times then mean
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
-from pathlib import Path
 
 import torch
 
 from vllm_retrieval_spec.benchmarks.kernel_timing import (
     ATTENTION_SHAPES,
     HIDDEN_SIZES,
-    PROJECTION_DIMS,
     Timer,
+    projection_statistics,
     retrieval_tree,
+    run_command,
 )
 
 ROWS_PER_PROGRAM = (16, 32, 64, 128)
@@ -71,9 +68,7 @@ def projection_rows(device: torch.device, timer: Timer, hidden_sizes: tuple, bat
     rows = []
     g = torch.Generator(device=device).manual_seed(0)
     for hidden in hidden_sizes:
-        mean = torch.randn(hidden, generator=g, device=device)
-        inv_std = torch.rand(hidden, generator=g, device=device) + 0.5
-        components = torch.randn(hidden, PROJECTION_DIMS, generator=g, device=device)
+        mean, inv_std, components = projection_statistics(hidden, g)
         for batch in batches:
             x = torch.randn(batch, hidden, generator=g, device=device).to(torch.bfloat16)
             args = (x, mean, inv_std, components)
@@ -115,46 +110,20 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-name", required=True)
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--quick", action="store_true",
-                        help="a few small shapes (runs on CPU under TRITON_INTERPRET=1)")
-    args = parser.parse_args(argv)
-
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.quick:
-        parser.error("needs a CUDA GPU (Triton compiles for it); --quick also runs on CPU under "
-                     "TRITON_INTERPRET=1")
-    import triton
-
-    device = torch.device("cuda" if cuda else "cpu")
-    timer = Timer(cuda)
-    if args.quick:
-        rows = (attention_rows(device, timer, ATTENTION_SHAPES[:1], (300,), (8,), (16, 32),
+def measure(device: torch.device, timer: Timer, quick: bool) -> tuple[list[dict], dict]:
+    if quick:
+        return (attention_rows(device, timer, ATTENTION_SHAPES[:1], (300,), (8,), (16, 32),
                                (1, 2))
-                + projection_rows(device, timer, (300,), (3,), (1, 2)))
-    else:
-        rows = (attention_rows(device, timer, ATTENTION_SHAPES, CONTEXTS, NODES,
-                               ROWS_PER_PROGRAM, SPLITS)
-                + projection_rows(device, timer, HIDDEN_SIZES, PROJECTION_BATCHES,
-                                  (1, 2, 4, 8, 16, 32)))
-    result = {
-        "run": args.run_name,
-        "date": datetime.date.today().isoformat(),
-        "machine": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "command": " ".join(["python -m vllm_retrieval_spec.benchmarks.kernel_sweep",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "rows": rows,
-    }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.run_name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{args.run_name}.md").write_text(markdown(result))
-    print(f"wrote {out / args.run_name}.json and .md", file=sys.stderr)
-    return 0
+                + projection_rows(device, timer, (300,), (3,), (1, 2))), {}
+    return (attention_rows(device, timer, ATTENTION_SHAPES, CONTEXTS, NODES, ROWS_PER_PROGRAM,
+                           SPLITS)
+            + projection_rows(device, timer, HIDDEN_SIZES, PROJECTION_BATCHES,
+                              (1, 2, 4, 8, 16, 32))), {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command("vllm_retrieval_spec.benchmarks.kernel_sweep",
+                       __doc__.split("\n\n")[0], argv, measure, markdown)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,14 @@ def _floor_fields(nbytes: int, kernel_us: float, rate_gbps: float) -> dict:
             "floor_fraction": round(floor_us / kernel_us, 3)}
 
 
+def projection_statistics(hidden: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random float32 mean, inverse std and unit-column PCA components on ``g``'s device."""
+    mean = torch.randn(hidden, generator=g, device=g.device)
+    inv_std = torch.rand(hidden, generator=g, device=g.device) + 0.5
+    components = torch.randn(hidden, PROJECTION_DIMS, generator=g, device=g.device)
+    return mean, inv_std, components / components.norm(dim=0, keepdim=True)
+
+
 def projection_rows(device: torch.device, timer: Timer, rate_gbps: float,
                     hidden_sizes: tuple[int, ...], batches: tuple[int, ...],
                     dtypes: tuple[torch.dtype, ...]) -> list[dict]:
@@ -128,10 +136,7 @@ def projection_rows(device: torch.device, timer: Timer, rate_gbps: float,
     rows = []
     g = torch.Generator(device=device).manual_seed(0)
     for hidden in hidden_sizes:
-        mean = torch.randn(hidden, generator=g, device=device)
-        inv_std = torch.rand(hidden, generator=g, device=device) + 0.5
-        components = torch.randn(hidden, PROJECTION_DIMS, generator=g, device=device)
-        components /= components.norm(dim=0, keepdim=True)
+        mean, inv_std, components = projection_statistics(hidden, g)
         for dtype in dtypes:
             for batch in batches:
                 x = torch.randn(batch, hidden, generator=g, device=device).to(dtype)
@@ -272,8 +277,13 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_command(module: str, description: str, argv: list[str] | None,
+                measure: Callable[[torch.device, Timer, bool], tuple[list[dict], dict]],
+                to_markdown: Callable[[dict], str]) -> int:
+    """The command line of the kernel benchmarks: ``measure(device, timer, quick)`` gives the
+    rows and any fields of the result beside them; ``<run-name>.json`` and ``.md`` are
+    written."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--run-name", required=True)
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true",
@@ -286,42 +296,50 @@ def main(argv: list[str] | None = None) -> int:
                      "TRITON_INTERPRET=1")
     import triton
 
-    device = torch.device("cuda" if cuda else "cpu")
-    timer = Timer(cuda)
-    if args.quick:
+    rows, fields = measure(torch.device("cuda" if cuda else "cpu"), Timer(cuda), args.quick)
+    result = {
+        "run": args.run_name,
+        "date": datetime.date.today().isoformat(),
+        "machine": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)]),
+        **fields,
+        "rows": rows,
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.run_name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{args.run_name}.md").write_text(to_markdown(result))
+    print(f"wrote {out / args.run_name}.json and .md", file=sys.stderr)
+    return 0
+
+
+def measure(device: torch.device, timer: Timer, quick: bool) -> tuple[list[dict], dict]:
+    if quick:
         shapes, contexts = ATTENTION_SHAPES[:1], (48,)
         trees = (("chain-8", chain(8)), ("tree-20", retrieval_tree(20)))
         hidden_sizes, batches = (HIDDEN_SIZES[0],), (1, 17)
     else:
         shapes, contexts, trees = ATTENTION_SHAPES, CONTEXTS, TREES
         hidden_sizes, batches = HIDDEN_SIZES, PROJECTION_BATCHES
-    rate = copy_rate_gbps(device, timer, 16 if args.quick else 1024)
+    cuda = device.type == "cuda"
+    rate = copy_rate_gbps(device, timer, 16 if quick else 1024)
     print(f"copy rate {rate:.0f} GB/s", file=sys.stderr)
     rows = (projection_rows(device, timer, rate, hidden_sizes, batches,
                             (torch.bfloat16, torch.float32))
             + tree_attention_rows(device, timer, rate, shapes, contexts, trees,
                                   (torch.bfloat16,) if cuda else (torch.float32,))
             + tree_mask_rows(device, timer, trees))
-    if cuda and not args.quick:
+    if cuda and not quick:
         # One float32 case: the dtype vLLM-CPU runs, and the kernel's ieee-dot path.
         rows += tree_attention_rows(device, timer, rate, ATTENTION_SHAPES[:1], (4096,),
                                     TREES[2:3], (torch.float32,))
-    result = {
-        "run": args.run_name,
-        "date": datetime.date.today().isoformat(),
-        "machine": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "command": " ".join(["python -m vllm_retrieval_spec.benchmarks.kernel_timing",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "copy_gbps": round(rate, 1),
-        "rows": rows,
-    }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.run_name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{args.run_name}.md").write_text(markdown(result))
-    print(f"wrote {out / args.run_name}.json and .md", file=sys.stderr)
-    return 0
+    return rows, {"copy_gbps": round(rate, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command("vllm_retrieval_spec.benchmarks.kernel_timing",
+                       __doc__.split("\n\n")[0], argv, measure, markdown)
 
 
 if __name__ == "__main__":

@@ -36,17 +36,22 @@ def test_floor_bytes_count_every_input_once_and_the_output():
         (2 * 2 * 4 * 8 + 2 * 7 * 2 * 8) * 2 + 4
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def run_quick(module: str, out) -> tuple[dict, str]:
+    """A benchmark's ``--quick`` run under Triton's interpreter: its JSON and markdown."""
     pytest.importorskip("triton")
-    out = tmp_path_factory.mktemp("kernel-timing")
     run = subprocess.run(
-        [sys.executable, "-m", "vllm_retrieval_spec.benchmarks.kernel_timing", "--quick",
+        [sys.executable, "-m", f"vllm_retrieval_spec.benchmarks.{module}", "--quick",
          "--run-name", "quick", "--out-dir", str(out)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((out / "quick.json").read_text()), (out / "quick.md").read_text(), out
+    return json.loads((out / "quick.json").read_text()), (out / "quick.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel-timing")
+    return (*run_quick("kernel_timing", out), out)
 
 
 def test_quick_run_checks_every_kernel_against_its_reference(quick_run):
@@ -75,18 +80,11 @@ def test_full_run_needs_a_gpu(tmp_path):
 
 
 def test_quick_sweep_times_every_choice_and_the_default(tmp_path):
-    pytest.importorskip("triton")
-    run = subprocess.run(
-        [sys.executable, "-m", "vllm_retrieval_spec.benchmarks.kernel_sweep", "--quick",
-         "--run-name", "sweep", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads((tmp_path / "sweep.json").read_text())
+    result, table = run_quick("kernel_sweep", tmp_path)
     attention, projection = result["rows"]
     # 300 context tokens: 2 splits would be 150 tokens each, below the 256 worth timing.
     assert list(attention["us"]) == ["default", "rows16-splits1", "rows32-splits1"]
     assert list(projection["us"]) == ["default", "splits1", "splits2"]
     assert all(t > 0 for row in (attention, projection) for t in row["us"].values())
-    table = (tmp_path / "sweep.md").read_text()
+    assert result["command"].startswith("python -m vllm_retrieval_spec.benchmarks.kernel_sweep")
     assert "| model | context | nodes | default | rows16-splits1 | rows32-splits1 |" in table
