@@ -15,10 +15,17 @@ def have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def interpret_requested() -> bool:
-    """``TRITON_INTERPRET`` is set: Triton runs kernels on CPU tensors in its interpreter if the
-    variable was set when Triton was first imported."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off", "no")
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter: ``TRITON_INTERPRET`` was set when Triton
+    was first imported (it then interprets ``triton.language`` itself). Triton is not imported
+    unless the variable is set."""
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("", "0", "false", "off", "no") \
+            or not have_triton():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction)
 
 
 @functools.cache

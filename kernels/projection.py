@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .launch import have_triton, interpret_requested, multiprocessors
+from .launch import have_triton, interpreting, multiprocessors
 
 EPS = 1e-12
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -183,7 +183,7 @@ def _precision() -> str:
     """Full fp32 products, not TF32's (10-bit mantissa): queries stay close to the reference's
     (used on CPU). On a GPU, three TF32 products per tile ("tf32x3") give that on the tensor
     cores; the interpreter multiplies in fp32 itself ("ieee")."""
-    return "ieee" if interpret_requested() else "tf32x3"
+    return "ieee" if interpreting() else "tf32x3"
 
 
 def project(

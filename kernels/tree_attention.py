@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .launch import have_triton, interpret_requested, multiprocessors
+from .launch import have_triton, interpreting, multiprocessors
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows are (node, query head) pairs of one kv head; every row block reads the whole context, so
@@ -435,16 +435,13 @@ def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_tree: t
 
 
 def _interpreting() -> bool:
-    """Whether Triton runs these kernels in its interpreter: ``TRITON_INTERPRET`` was set when
-    Triton was first imported (it then interprets ``triton.language`` itself) and when the
-    kernels were built. Triton is not imported unless the variable is set."""
-    if not interpret_requested() or not have_triton():
+    """Whether Triton runs these kernels in its interpreter: it interprets
+    ``triton.language`` (``launch.interpreting``) and the kernels were built so too."""
+    if not interpreting():
         return False
-    import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(tl.zeros, InterpretedFunction) and \
-        all(isinstance(f, InterpretedFunction) for f in _kernels())
+    return all(isinstance(f, InterpretedFunction) for f in _kernels())
 
 
 def _use_triton(t: torch.Tensor) -> bool:
