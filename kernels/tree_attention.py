@@ -367,13 +367,14 @@ def tree_attention_masked_triton(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: to
     softmaxes a second kernel combines; by default as many as give the GPU's multiprocessors
     two programs each at most, with at least ``MIN_SPLIT_TOKENS`` context tokens per split (one
     split for a CPU under the interpreter)."""
-    n = len(q) if q.ndim == 3 else -1
+    # The tensors first: a q of the wrong rank has no node count to check the mask against.
+    _check_tensors(q, k_ctx, v_ctx, k_tree, v_tree, len(q) if q.ndim == 3 else -1)
+    n = len(q)
     if mask.shape != (n, n) or mask.dtype not in (torch.bool, torch.int8):
         raise ValueError(f"mask must be bool or int8 [n, n] = [{n}, {n}], got {mask.dtype} "
                          f"{tuple(mask.shape)}")
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
-    _check_tensors(q, k_ctx, v_ctx, k_tree, v_tree, n)
     return _attend(q, k_ctx, v_ctx, k_tree, v_tree, mask.view(torch.int8), scale, splits)
 
 

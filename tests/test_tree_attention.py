@@ -423,6 +423,7 @@ def test_bad_inputs_are_refused(function, change, message):
     (lambda a: {**a, "mask": a["mask"].to("meta")}, "mask is on meta but q is on cpu"),
     (lambda a: {**a, "v_tree": a["v_tree"][:3]}, r"one row per node \(4\)"),
     (lambda a: {**a, "k_ctx": a["k_ctx"].half()}, "all inputs must share q's dtype"),
+    (lambda a: {**a, "q": a["q"][0]}, r"q must be \[n, num_heads, head_dim\]"),
 ])
 def test_bad_inputs_are_refused_with_a_mask(change, message):
     args = _valid_args()
