@@ -12,6 +12,8 @@ rules; confirm winners with ``vllm-rsd bench``.
 with each combination; results are printed per task, one JSON line each. ``--oracle`` replays
 the ceiling of hybrid's sources instead, and ``--oracle-gap`` says why a hybrid config falls
 short of it (a wrong choice among the candidates, a draft cut short, no draft).
+``--choice-ceilings`` replays a hybrid config beside three ceilings of choosing better among
+its own candidates (``CHOICE_CEILINGS``): what perfect choosing could add without new sources.
 """
 
 from __future__ import annotations
@@ -153,12 +155,15 @@ def load_records(path: str) -> list[dict[str, list[int]]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def draft_factory(config: Any, model: str | None = None,
-                  gap: OracleGap | None = None) -> DraftFactory:
+def draft_factory(config: Any, model: str | None = None, gap: OracleGap | None = None,
+                  ceiling: str | None = None) -> DraftFactory:
     """The same pure drafting function the method's proposer calls in vLLM, per request;
-    with ``gap`` (hybrid only), each of its drafts is also measured against the oracle."""
+    with ``gap`` (hybrid only), each of its drafts is also measured against the oracle; with
+    ``ceiling`` (one of ``CHOICE_CEILINGS``; hybrid chains only), its candidates are chosen from
+    knowing the recorded continuation (``ceiling_select``)."""
     from vllm_retrieval_spec.config import (
         DresdConfig, HybridConfig, PldConfig, PldPlusConfig, RestConfig)
+    from vllm_retrieval_spec.drafting.tree import select_draft
     from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
     from vllm_retrieval_spec.proposers.pld import pld_draft, pld_plus_draft
     from vllm_retrieval_spec.proposers.rest import rest_draft
@@ -166,6 +171,9 @@ def draft_factory(config: Any, model: str | None = None,
     if gap is not None and not isinstance(config, HybridConfig):
         raise ValueError("--oracle-gap takes hybrid configs: their sources are the oracle's "
                          "candidates")
+    if ceiling is not None and (not isinstance(config, HybridConfig) or config.tree == "on"):
+        raise ValueError("--choice-ceilings takes hybrid configs with tree off: a ceiling "
+                         "chooses one chain among their candidates")
     if isinstance(config, RestConfig):  # hybrid too: it extends REST
         datastore = _datastore(config)
         if not isinstance(config, HybridConfig):
@@ -176,12 +184,15 @@ def draft_factory(config: Any, model: str | None = None,
 
         def make_hybrid(record: dict[str, list[int]]) -> DraftFn:
             served_dense_of = served.dense_candidates(record) if served is not None else None
+            truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
 
             def draft(context: np.ndarray, n: int) -> np.ndarray:
+                select = select_draft if ceiling is None else ceiling_select(
+                    ceiling, truth[len(context):len(context) + n])
                 return hybrid_draft(
                     datastore, context, n, config, dense.index if dense else None,
                     query_of(context) if dense else None, store,
-                    served_dense_of(context) if served_dense_of else None)
+                    served_dense_of(context) if served_dense_of else None, select)
 
             query_of = dense.for_record(record) if dense is not None else None
             if gap is None:
@@ -452,6 +463,49 @@ def longest_accepted(candidates: np.ndarray, lengths: np.ndarray,
     return truth[:best]
 
 
+#: ``--choice-ceilings``, each knowing the recorded continuation at every step:
+#: - ``first_token``: the config's chain, except where the trie holds the true next token among
+#:   its first tokens and the chain starts with another: then the chain its rule draws below the
+#:   true one (the same votes and prior; kept as it was where the rule draws none there);
+#: - ``choice``: of the trie's candidates, the one accepted furthest, drafted as long as it is
+#:   up to the config's length cap (``max_spec_factor`` x the longest match), where it beats
+#:   the chain;
+#: - ``choice_and_length``: the same up to ``num_speculative_tokens``.
+CHOICE_CEILINGS = ("first_token", "choice", "choice_and_length")
+
+
+def ceiling_select(ceiling: str, ahead: np.ndarray) -> Callable[..., np.ndarray]:
+    """A ``select_draft`` for ``hybrid_draft`` that chooses as ``ceiling`` says
+    (``CHOICE_CEILINGS``); ``ahead``: the recorded tokens after the context."""
+    from vllm_retrieval_spec.drafting.tree import best_chain, select_draft
+
+    if ceiling not in CHOICE_CEILINGS:
+        raise ValueError(f"ceiling must be one of {CHOICE_CEILINGS}, got {ceiling!r}")
+
+    def select(candidates: np.ndarray, lengths: np.ndarray, weights: np.ndarray, max_len: int,
+               config: Any, max_depth: int | None = None) -> np.ndarray:
+        chain = select_draft(candidates, lengths, weights, max_len, config, max_depth)
+        depth = max_len if max_depth is None else min(max_depth, max_len)
+        if ceiling == "first_token":
+            if len(chain) == 0 or len(ahead) == 0 or chain[0] == ahead[0]:
+                return chain
+            # The other first tokens' candidates keep their votes at the root (length 0).
+            below = np.where((candidates[:, 0] == ahead[0]) & (lengths > 0), lengths, 0)
+            redrawn = best_chain(candidates, below.astype(np.int32), weights, depth,
+                                 config.min_prefix_prob, config.prior_weight,
+                                 config.min_draft_len)
+            return redrawn if len(redrawn) else chain
+        cap = depth if ceiling == "choice" else max_len
+        best, best_accepted = chain, accepted_length(chain, ahead[:len(chain)].tolist())
+        for candidate, length in zip(candidates, np.minimum(lengths, cap)):
+            accepted = len(longest_accepted(candidate[None], length[None], ahead))
+            if accepted > best_accepted:
+                best, best_accepted = candidate[:length], accepted
+        return best
+
+    return select
+
+
 def _datastore(config: Any) -> Any:
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 
@@ -587,9 +641,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="replay hybrid configs as they are and add, per step, what the "
                              "oracle would have had accepted and what they missed by cause "
                              "(a wrong choice among candidates, a draft cut short, no draft)")
+    parser.add_argument("--choice-ceilings", action="store_true",
+                        help="replay hybrid configs (tree off) and, beside each, the ceilings "
+                             "of choosing better among its own candidates: the true first "
+                             "token, the best candidate at its length cap, the best up to k")
     args = parser.parse_args(argv)
-    if args.oracle and args.oracle_gap:
-        parser.error("--oracle and --oracle-gap: choose one")
+    if sum((args.oracle, args.oracle_gap, args.choice_ceilings)) > 1:
+        parser.error("--oracle, --oracle-gap and --choice-ceilings: choose one")
     records = [r for path in args.outputs for r in load_records(path)
                if args.task is None or r.get("task", "code-gen") == args.task]
     tasks = sorted({r.get("task", "code-gen") for r in records})
@@ -623,16 +681,18 @@ def main(argv: list[str] | None = None) -> None:
                      "min_draft_len": config.min_draft_len,
                      "step_costs": curve(config.num_speculative_tokens),
                      "pad_drafts": config.pad_drafts}
-        for task in tasks:
+        ceilings = (None, *CHOICE_CEILINGS) if args.choice_ceilings else (None,)
+        for task, ceiling in itertools.product(tasks, ceilings):
             # A fresh factory per task: a method that learns starts each task knowing none.
             gap = OracleGap() if args.oracle_gap else None
-            make_draft = (factory(config, args.model) if gap is None
-                          else draft_factory(config, args.model, gap))
+            make_draft = (factory(config, args.model) if gap is None and ceiling is None
+                          else draft_factory(config, args.model, gap, ceiling))
             result = replay([r for r in records if r.get("task", "code-gen") == task],
                             make_draft, config.num_speculative_tokens, **rules)
             if gap is not None:
                 result.update(gap.summary())
-            print(json.dumps({"task": task, "config": options, **result}), flush=True)
+            tag = {} if ceiling is None else {"ceiling": ceiling}
+            print(json.dumps({"task": task, "config": options, **tag, **result}), flush=True)
 
 
 if __name__ == "__main__":

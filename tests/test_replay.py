@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from vllm_retrieval_spec.benchmarks.replay import (
-    OracleGap, draft_factory, expand_grid, longest_accepted, oracle_factory, replay)
+    CHOICE_CEILINGS, OracleGap, ceiling_select, draft_factory, expand_grid, longest_accepted,
+    main, oracle_factory, replay)
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 
@@ -153,6 +154,55 @@ def test_oracle_gap_takes_hybrid_configs_only():
     with pytest.raises(ValueError, match="oracle-gap takes hybrid"):
         draft_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3},
                                                VLLM_CPU_DEFAULTS), gap=OracleGap())
+
+
+@pytest.mark.parametrize("candidates, ahead, max_depth, drafts", [
+    # The majority "7 7 7" is drafted; the truth "7 8 9" starts with the same token.
+    ([[7, 7, 7], [7, 7, 7], [7, 8, 9]], [7, 8, 9], 3,
+     {"first_token": [7, 7, 7], "choice": [7, 8, 9], "choice_and_length": [7, 8, 9]}),
+    # The truth starts with the minority's token: first_token redraws below it.
+    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [8, 9, 1], 3,
+     {"first_token": [8, 9, 1], "choice": [8, 9, 1], "choice_and_length": [8, 9, 1]}),
+    # A length cap of 2 (max_spec_factor x match): only choice_and_length drafts past it.
+    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [8, 9, 1], 2,
+     {"first_token": [8, 9], "choice": [8, 9], "choice_and_length": [8, 9, 1]}),
+    # No candidate beats the chain: every ceiling drafts the chain.
+    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [4, 4, 4], 3,
+     {"first_token": [5, 6, 0], "choice": [5, 6, 0], "choice_and_length": [5, 6, 0]}),
+])
+def test_choice_ceilings_choose_knowing_the_continuation(candidates, ahead, max_depth, drafts):
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
+                                       "min_draft_len": 1}, VLLM_CPU_DEFAULTS)
+    args = (np.asarray(candidates, dtype=np.int32), np.full(len(candidates), 3, np.int32),
+            np.ones(len(candidates)), 3, config, max_depth)
+    assert {ceiling: ceiling_select(ceiling, np.asarray(ahead, np.int32))(*args).tolist()
+            for ceiling in CHOICE_CEILINGS} == drafts
+
+
+def test_choice_ceilings_are_replayed_beside_the_config(tmp_path, capsys):
+    documents = [[5, 6, 7, 8, 9], [5, 6, 7, 7, 7], [5, 6, 7, 7, 7]]
+    build_datastore_from_token_ids(documents, tmp_path / "ds", tokenizer_name="t",
+                                   tokenizer_fingerprint="0" * 64, vocab_size=100,
+                                   progress=False)
+    records = tmp_path / "run.plain.jsonl"
+    records.write_text(json.dumps({"task": "code-gen", "prompt": [1, 5],
+                                   "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}) + "\n")
+    config = {"method": "hybrid", "num_speculative_tokens": 3, "datastore": str(tmp_path / "ds"),
+              "min_draft_len": 1, "context_min_match_len": 2, "min_match_len": 2,
+              "max_spec_factor": 0}
+    main([str(records), "--configs", json.dumps([config]), "--choice-ceilings"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {row.get("ceiling"): row for row in map(json.loads, lines)}
+    assert set(rows) == {None, *CHOICE_CEILINGS}
+    # The majority "7 7 7" after "5 6" costs hybrid a token the choice ceiling gets.
+    assert rows["choice"]["tokens_per_forward"] > rows[None]["tokens_per_forward"]
+    with pytest.raises(ValueError, match="ceiling must be one of"):
+        ceiling_select("best", np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="choice-ceilings takes hybrid configs with tree off"):
+        draft_factory(parse_speculative_config({**config, "tree": "on"}, VLLM_CPU_DEFAULTS),
+                      ceiling="choice")
+    with pytest.raises(SystemExit):
+        main([str(records), "--configs", json.dumps([config]), "--choice-ceilings", "--oracle"])
 
 
 def test_replay_learns_from_served_records_in_order():

@@ -75,14 +75,17 @@ def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, ma
                  query: np.ndarray | Callable[[], np.ndarray | None] | None = None,
                  served: ServedStore | None = None,
                  served_dense: Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
-                 | None = None) -> np.ndarray | TreeDraft:
+                 | None = None, select: Callable[..., np.ndarray | TreeDraft] = select_draft,
+                 ) -> np.ndarray | TreeDraft:
     """The best chain of every source's candidates.
 
     ``query`` is the projected final hidden state that produced ``context[-1]``, or a function
     returning it (or None), called only when the dense index is searched: only when ``dense``
     is given and the context match is short. ``served`` is what the engine has already served;
     ``served_dense(emitted, max_len)`` gives the candidates of its dense half (as
-    ``ServedDenseStore.candidates``), asked only when the context match is short.
+    ``ServedDenseStore.candidates``), asked only when the context match is short. ``select``
+    turns the candidates into the draft (``select_draft``'s arguments); the replay's ceilings
+    (``benchmarks/replay.py --choice-ceilings``) pass one that knows the true continuation.
     """
     context_cands, context_lengths, context_n = find_context_matches(
         context, config.context_min_match_len, config.context_max_match_len,
@@ -154,8 +157,8 @@ def hybrid_draft(datastore: SuffixArrayDatastore | None, context: np.ndarray, ma
         # A draft is no longer than the evidence behind it: an n-token match predicts about n
         # tokens (SuffixDecoding's max_spec_factor). Dense neighbours have no match length.
         max_depth = max(config.min_draft_len, int(config.max_spec_factor * longest_match))
-    return select_draft(np.concatenate(candidates), np.concatenate(lengths),
-                        np.concatenate(weights), max_len, config, max_depth)
+    return select(np.concatenate(candidates), np.concatenate(lengths), np.concatenate(weights),
+                  max_len, config, max_depth)
 
 
 class HybridProposer(RestProposer):
