@@ -12,8 +12,9 @@ rules; confirm winners with ``vllm-rsd bench``.
 with each combination; results are printed per task, one JSON line each. ``--oracle`` replays
 the ceiling of hybrid's sources instead, and ``--oracle-gap`` says why a hybrid config falls
 short of it (a wrong choice among the candidates, a draft cut short, no draft).
-``--choice-ceilings`` replays a hybrid config beside three ceilings of choosing better among
-its own candidates (``CHOICE_CEILINGS``): what perfect choosing could add without new sources.
+``--choice-ceilings`` replays a hybrid config beside ceilings of choosing better among its own
+candidates and of stopping its drafts where they go wrong (``CHOICE_CEILINGS``): what perfect
+choosing could add without new sources.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def measured_step_costs(path: str, k: int) -> list[float]:
             else times[-1] + slope * (d - lengths[-1]) for d in range(k + 1)]
 
 
-def accepted_length(proposal: Any, truth: list[int]) -> int:
+def accepted_length(proposal: Any, truth: list[int] | np.ndarray) -> int:
     """Draft tokens greedy verification accepts when the target produces ``truth``: a chain's
     common prefix with it, a tree's longest root path along it."""
     from vllm_retrieval_spec.drafting.tree import TreeDraft
@@ -184,7 +185,8 @@ def draft_factory(config: Any, model: str | None = None, gap: OracleGap | None =
 
         def make_hybrid(record: dict[str, list[int]]) -> DraftFn:
             served_dense_of = served.dense_candidates(record) if served is not None else None
-            truth = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
+            truth = None if ceiling is None else \
+                np.asarray(record["prompt"] + record["output"], dtype=np.int32)
 
             def draft(context: np.ndarray, n: int) -> np.ndarray:
                 select = select_draft if ceiling is None else ceiling_select(
@@ -457,9 +459,7 @@ def longest_accepted(candidates: np.ndarray, lengths: np.ndarray,
     """The longest prefix of ``truth`` that some candidate starts with."""
     best = 0
     for candidate, length in zip(candidates, lengths):
-        length = min(int(length), len(truth))
-        mismatch = np.flatnonzero(candidate[:length] != truth[:length])
-        best = max(best, int(mismatch[0]) if len(mismatch) else length)
+        best = max(best, accepted_length(candidate[:length], truth[:length]))
     return truth[:best]
 
 
@@ -470,8 +470,12 @@ def longest_accepted(candidates: np.ndarray, lengths: np.ndarray,
 #: - ``choice``: of the trie's candidates, the one accepted furthest, drafted as long as it is
 #:   up to the config's length cap (``max_spec_factor`` x the longest match), where it beats
 #:   the chain;
-#: - ``choice_and_length``: the same up to ``num_speculative_tokens``.
-CHOICE_CEILINGS = ("first_token", "choice", "choice_and_length")
+#: - ``choice_and_length``: the same up to ``num_speculative_tokens``;
+#: - ``length``: the config's chain, cut right after the tokens it has right (not below
+#:   ``min_draft_len``: a shorter draft would be dropped), what a perfect stopping rule drafts;
+#: - ``length_heaviest``: the same for the trie's heaviest path without the probability stop
+#:   (up to the step's cap), where that path is right further than the chain.
+CHOICE_CEILINGS = ("first_token", "choice", "choice_and_length", "length", "length_heaviest")
 
 
 def ceiling_select(ceiling: str, ahead: np.ndarray) -> Callable[..., np.ndarray]:
@@ -495,10 +499,18 @@ def ceiling_select(ceiling: str, ahead: np.ndarray) -> Callable[..., np.ndarray]
                                  config.min_prefix_prob, config.prior_weight,
                                  config.min_draft_len)
             return redrawn if len(redrawn) else chain
+        best, best_accepted = chain, accepted_length(chain, ahead[:len(chain)])
+        if ceiling.startswith("length"):
+            if ceiling == "length_heaviest":
+                heaviest = best_chain(candidates, lengths, weights, max_len, 0.0,
+                                      config.prior_weight, 1)
+                accepted = accepted_length(heaviest, ahead[:len(heaviest)])
+                if accepted > best_accepted:
+                    best, best_accepted = heaviest, accepted
+            return best[:max(best_accepted, min(len(best), config.min_draft_len))]
         cap = depth if ceiling == "choice" else max_len
-        best, best_accepted = chain, accepted_length(chain, ahead[:len(chain)].tolist())
         for candidate, length in zip(candidates, np.minimum(lengths, cap)):
-            accepted = len(longest_accepted(candidate[None], length[None], ahead))
+            accepted = accepted_length(candidate[:length], ahead[:length])
             if accepted > best_accepted:
                 best, best_accepted = candidate[:length], accepted
         return best
@@ -644,7 +656,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--choice-ceilings", action="store_true",
                         help="replay hybrid configs (tree off) and, beside each, the ceilings "
                              "of choosing better among its own candidates: the true first "
-                             "token, the best candidate at its length cap, the best up to k")
+                             "token, the best candidate at its length cap, the best up to k, "
+                             "the chain or the heaviest path cut where it goes wrong")
     args = parser.parse_args(argv)
     if sum((args.oracle, args.oracle_gap, args.choice_ceilings)) > 1:
         parser.error("--oracle, --oracle-gap and --choice-ceilings: choose one")

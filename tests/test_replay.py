@@ -157,18 +157,28 @@ def test_oracle_gap_takes_hybrid_configs_only():
 
 
 @pytest.mark.parametrize("candidates, ahead, max_depth, drafts", [
-    # The majority "7 7 7" is drafted; the truth "7 8 9" starts with the same token.
+    # The majority "7 7 7" is drafted; the truth "7 8 9" starts with the same token. The length
+    # ceilings keep the chain's one right token.
     ([[7, 7, 7], [7, 7, 7], [7, 8, 9]], [7, 8, 9], 3,
-     {"first_token": [7, 7, 7], "choice": [7, 8, 9], "choice_and_length": [7, 8, 9]}),
+     {"first_token": [7, 7, 7], "choice": [7, 8, 9], "choice_and_length": [7, 8, 9],
+      "length": [7], "length_heaviest": [7]}),
     # The truth starts with the minority's token: first_token redraws below it.
     ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [8, 9, 1], 3,
-     {"first_token": [8, 9, 1], "choice": [8, 9, 1], "choice_and_length": [8, 9, 1]}),
+     {"first_token": [8, 9, 1], "choice": [8, 9, 1], "choice_and_length": [8, 9, 1],
+      "length": [5], "length_heaviest": [5]}),
     # A length cap of 2 (max_spec_factor x match): only choice_and_length drafts past it.
     ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [8, 9, 1], 2,
-     {"first_token": [8, 9], "choice": [8, 9], "choice_and_length": [8, 9, 1]}),
-    # No candidate beats the chain: every ceiling drafts the chain.
+     {"first_token": [8, 9], "choice": [8, 9], "choice_and_length": [8, 9, 1],
+      "length": [5], "length_heaviest": [5]}),
+    # The chain is right as far as the cap; the heaviest path goes on past it, and right.
+    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [5, 6, 0], 2,
+     {"first_token": [5, 6], "choice": [5, 6], "choice_and_length": [5, 6, 0],
+      "length": [5, 6], "length_heaviest": [5, 6, 0]}),
+    # No candidate beats the chain: the choice ceilings draft the chain, the length ceilings
+    # its first token (min_draft_len 1).
     ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [4, 4, 4], 3,
-     {"first_token": [5, 6, 0], "choice": [5, 6, 0], "choice_and_length": [5, 6, 0]}),
+     {"first_token": [5, 6, 0], "choice": [5, 6, 0], "choice_and_length": [5, 6, 0],
+      "length": [5], "length_heaviest": [5]}),
 ])
 def test_choice_ceilings_choose_knowing_the_continuation(candidates, ahead, max_depth, drafts):
     config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
@@ -177,6 +187,19 @@ def test_choice_ceilings_choose_knowing_the_continuation(candidates, ahead, max_
             np.ones(len(candidates)), 3, config, max_depth)
     assert {ceiling: ceiling_select(ceiling, np.asarray(ahead, np.int32))(*args).tolist()
             for ceiling in CHOICE_CEILINGS} == drafts
+
+
+def test_length_ceilings_keep_drafts_long_enough_to_be_drafted():
+    # With min_draft_len 2 a 1-token draft would be dropped: a chain wrong from its first token
+    # is cut to 2 tokens, not to none.
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
+                                       "min_draft_len": 2}, VLLM_CPU_DEFAULTS)
+    args = (np.asarray([[5, 6, 0], [5, 6, 0]], dtype=np.int32), np.full(2, 3, np.int32),
+            np.ones(2), 3, config)
+    for ceiling in ("length", "length_heaviest"):
+        assert ceiling_select(ceiling, np.asarray([4, 4, 4], np.int32))(*args).tolist() == [5, 6]
+        assert ceiling_select(ceiling, np.asarray([5, 6, 0], np.int32))(*args).tolist() == \
+            [5, 6, 0]
 
 
 def test_choice_ceilings_are_replayed_beside_the_config(tmp_path, capsys):
