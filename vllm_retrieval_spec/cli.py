@@ -169,17 +169,17 @@ def bench_command(args: argparse.Namespace) -> None:
     for entry in args.datastore or []:
         name, _, path = entry.rpartition("=")
         datastores[name or Path(path).name] = path
+    settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
+                             concurrency=args.concurrency, interleave=not args.sequential)
     try:
         runs = method_runs(args.methods.split(","), args.k, datastores,
                            json.loads(args.method_options) if args.method_options else None)
         if not args.sequential:
-            check_memory_for_interleaving(len(runs), model)
+            check_memory_for_interleaving(len(runs), model, settings)
         prompts = bench_prompts(model, args)
     except ValueError as e:
         # Bad input or too little memory: say so before any engine starts, without a traceback.
         raise SystemExit(f"error: {e}") from None
-    settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
-                             concurrency=args.concurrency, interleave=not args.sequential)
     log = Path(args.output_dir or tempfile.gettempdir()) / f"{args.run_name}.log"
     with engine_output_to(None if args.verbose else log) as terminal:
         results = run_benchmark(model, runs, prompts, settings, args.run_name,
