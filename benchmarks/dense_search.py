@@ -4,7 +4,7 @@ Queries are the model's final hidden states along recorded outputs (``<run>.plai
 ``vllm-rsd bench``), i.e. the queries DReSD makes while decoding them, projected as the proposer
 projects them.
 
-    python -m vllm_retrieval_spec.benchmarks.dense_search ds/own \
+    python -m benchmarks.dense_search ds/own \
         --outputs benchmarks/results/RUN.plain.jsonl --model MODEL_DIR --run-name NAME
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 def measure(datastore: str, records: list[dict], model: str, top_n: int) -> dict:
     import torch
 
-    from vllm_retrieval_spec.benchmarks.replay import _transformers_states
+    from benchmarks.replay import _transformers_states
     from vllm_retrieval_spec.datastore.dense import DenseIndex
 
     states = _transformers_states(model)
@@ -63,7 +63,7 @@ def measure(datastore: str, records: list[dict], model: str, top_n: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm_retrieval_spec.benchmarks.replay import load_records
+    from benchmarks.replay import load_records
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     records = [r for r in load_records(args.outputs)
                if args.task is None or r.get("task", "code-gen") == args.task]
     rows = [measure(d, records, args.model, args.top_n) for d in args.datastores]
-    document = {"run": args.run_name, "command": "python -m vllm_retrieval_spec.benchmarks."
-                "dense_search " + " ".join(sys.argv[1:]), "rows": rows}
+    document = {"run": args.run_name, "command": "python -m benchmarks.dense_search "
+                + " ".join(sys.argv[1:]), "rows": rows}
     columns = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "self_mrr_exact",
                "self_mrr_scann", "scann_recall",
                "exact_us_p50", "exact_us_p99", "scann_us_p50", "scann_us_p99")

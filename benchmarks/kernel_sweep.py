@@ -5,7 +5,7 @@ Each row is one shape; ``us`` maps a choice to its median time (Triton's ``do_be
 ``default`` is what the kernel picks by itself. Needs CUDA, like ``kernel_timing``; ``--quick``
 runs a few small shapes on CPU under ``TRITON_INTERPRET=1`` (the times then mean nothing).
 
-    python -m vllm_retrieval_spec.benchmarks.kernel_sweep --run-name kernels-h200-sweep
+    python -m benchmarks.kernel_sweep --run-name kernels-h200-sweep
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from vllm_retrieval_spec.benchmarks.kernel_timing import (
+from benchmarks.kernel_timing import (
     ATTENTION_SHAPES,
     HIDDEN_SIZES,
     Timer,
@@ -122,7 +122,7 @@ def measure(device: torch.device, timer: Timer, quick: bool) -> tuple[list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command("vllm_retrieval_spec.benchmarks.kernel_sweep",
+    return run_command("benchmarks.kernel_sweep",
                        __doc__.split("\n\n")[0], argv, measure, markdown)
 
 

@@ -19,7 +19,7 @@ Triton's ``do_bench`` medians, which clear the L2 cache before each call, so sma
 read from DRAM as the floor assumes. Needs CUDA; the lent GPU machines have torch and Triton
 but no vLLM, and nothing here imports vLLM.
 
-    python -m vllm_retrieval_spec.benchmarks.kernel_timing --run-name kernels-h200
+    python -m benchmarks.kernel_timing --run-name kernels-h200
 
 ``--quick`` runs a few small shapes, on CPU under ``TRITON_INTERPRET=1`` too (its times then
 mean nothing: tests/test_kernel_timing.py checks the rows, not the speed).
@@ -338,7 +338,7 @@ def measure(device: torch.device, timer: Timer, quick: bool) -> tuple[list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command("vllm_retrieval_spec.benchmarks.kernel_timing",
+    return run_command("benchmarks.kernel_timing",
                        __doc__.split("\n\n")[0], argv, measure, markdown)
 
 

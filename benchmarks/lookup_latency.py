@@ -6,7 +6,7 @@ phrases. Contexts come from held-out data (the standard library, or the same syn
 with another seed), so match lengths look like a real decoding step's. Prints p50/p99 (and what
 was measured); with --output-dir also writes lookup-latency-<N>M.json and .md there.
 
-    python benchmarks/lookup_latency.py --tokens 50000000 --output-dir benchmarks/results
+    python -m benchmarks.lookup_latency --tokens 50000000 --output-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import datetime
 import itertools
 import json
 import os
-import shlex
-import sys
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_retrieval_spec.bench.report import module_command
 from vllm_retrieval_spec.datastore import (
     SuffixArrayDatastore,
     build_datastore_from_token_ids,
@@ -172,7 +171,7 @@ def main() -> None:
             "run": f"lookup-latency-{args.tokens // 1_000_000}M",
             "date": datetime.date.today().isoformat(),
             "machine": f"cpu-{os.cpu_count()}core",
-            "command": "python " + shlex.join(sys.argv),
+            "command": module_command("benchmarks.lookup_latency", None),
             "datastore": kind, "datastore_tokens": int(index.datastore.manifest.num_tokens),
             "lookups": len(contexts), "max_occurrences": args.max_occurrences,
             "continuation_len": args.continuation_len,

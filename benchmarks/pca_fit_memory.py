@@ -8,13 +8,14 @@ resident memory over what it held just before the fit (VmHWM), split into anonym
 (what the fit allocates; sampled from /proc/self/status every millisecond) and pages of the
 memory-mapped states file (clean page cache the kernel can reclaim at any time).
 
-    python -m vllm_retrieval_spec.benchmarks.pca_fit_memory --run-name pca-fit-memory
+    python -m benchmarks.pca_fit_memory --run-name pca-fit-memory
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,9 @@ import numpy as np
 
 MIB = 1 << 20
 #: Run again in a fresh process for each fit (also when this file is run as a script).
-MODULE = "vllm_retrieval_spec.benchmarks.pca_fit_memory"
+MODULE = "benchmarks.pca_fit_memory"
+#: The repository root, where ``benchmarks`` is importable from.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_states(path: Path, num_states: int, hidden_size: int, seed: int = 0) -> None:
@@ -122,7 +125,9 @@ def measure(num_states: int, hidden_size: int, dims: int, fit_samples: int, chun
             [sys.executable, "-m", MODULE, "--fit-in-this-process", str(states_file),
              "--dims", str(dims), "--fit-samples", str(fit_samples),
              "--chunk-bytes", str(chunk_bytes)],
-            check=True, capture_output=True, text=True)
+            check=True, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
     h2 = hidden_size * hidden_size * 8
     chunk = min(chunk_rows(hidden_size, chunk_bytes), fit_samples, num_states) * hidden_size * 8
     return {"num_states": num_states, "hidden_size": hidden_size, "dims": dims,
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(fit_in_this_process(args.fit_in_this_process, args.dims,
                                              args.fit_samples, chunk_bytes)))
         return
-    from vllm_retrieval_spec.benchmarks.report import (
+    from vllm_retrieval_spec.bench.report import (
         markdown_table, module_command, results_document, write_report)
 
     rows = []

@@ -5,7 +5,7 @@ continuation, so walking a recorded plain output and drafting at every position 
 reach gives the engine's tokens per forward without running the model. Use it to tune drafting
 rules; confirm winners with ``vllm-rsd bench``.
 
-    python -m vllm_retrieval_spec.benchmarks.replay benchmarks/results/RUN.plain.jsonl \
+    python -m benchmarks.replay benchmarks/results/RUN.plain.jsonl \
         --configs '[{"method": "pld"}, {"method": "rest", "datastore": "ds/stdlib"}]'
 
 ``--grid '{"context_weight": [1, 2], "min_prefix_prob": [0.2, 0.3]}'`` replays every config

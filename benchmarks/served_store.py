@@ -6,7 +6,7 @@ then documents of a REST datastore (``--datastore``, e.g. the stdlib one the dem
 N tokens. Each lookup's context is one of the other recorded requests' prompt plus a prefix of
 its output, as in a decoding step.
 
-    python -m vllm_retrieval_spec.benchmarks.served_store \
+    python -m benchmarks.served_store \
         --datastore ~/.cache/vllm-retrieval-spec/datastores/stdlib --output-dir benchmarks/results
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_retrieval_spec.benchmarks.report import (
+from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.datastore.format import SEPARATOR, load_datastore
 from vllm_retrieval_spec.datastore.served import ServedStore
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(markdown_table(columns, rows)))
     if args.output_dir:
         results = results_document("served-store", module_command(
-            "vllm_retrieval_spec.benchmarks.served_store", argv), rows)
+            "benchmarks.served_store", argv), rows)
         for path in write_report(results, args.output_dir, markdown_table(columns, rows)):
             print(f"wrote {path}")
 

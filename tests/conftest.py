@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
+from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
 
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -82,7 +82,7 @@ def dense_datastore(model_dir, tokenizer, code_prompts, plain_outputs, tmp_path_
 
 @pytest.fixture(scope="session")
 def code_prompts(tokenizer) -> list[list[int]]:
-    from vllm_retrieval_spec.benchmarks.tasks import task_prompts
+    from vllm_retrieval_spec.bench.tasks import task_prompts
 
     return task_prompts("code-gen", tokenizer, E2E_PROMPTS)
 

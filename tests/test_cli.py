@@ -94,7 +94,7 @@ def test_unknown_speculative_model(exec_argv, capsys):
 def test_bench_refuses_more_engines_than_memory_holds_before_starting_any(monkeypatch, tmp_path):
     import psutil
 
-    from vllm_retrieval_spec.benchmarks import throughput
+    from vllm_retrieval_spec.bench import throughput
 
     model = tmp_path / "model"
     model.mkdir()
@@ -140,7 +140,7 @@ def test_bad_prompts_file_lines_are_named(tmp_path, line, message):
 
 
 def test_prompts_files_are_tasks_named_after_the_file(tmp_path):
-    from vllm_retrieval_spec.benchmarks.tasks import file_requests
+    from vllm_retrieval_spec.bench.tasks import file_requests
 
     (tmp_path / "a").mkdir()
     for path in (tmp_path / "code-gen.jsonl", tmp_path / "mine.jsonl", tmp_path / "a/mine.jsonl"):

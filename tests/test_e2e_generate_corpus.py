@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 def test_generated_answers_become_a_datastore(model_dir, tokenizer, tmp_path, plain_outputs,
                                               capsys):
-    from vllm_retrieval_spec.benchmarks.tasks import task_conversations
+    from vllm_retrieval_spec.bench.tasks import task_conversations
     from vllm_retrieval_spec.datastore import load_datastore
 
     # plain_outputs is requested so that the shared plain engine is already gone.

@@ -7,17 +7,21 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from vllm_retrieval_spec.benchmarks.kernel_timing import (
+from benchmarks.kernel_timing import (
     chain,
     depth,
     projection_bytes,
     retrieval_tree,
     tree_attention_bytes,
 )
+
+#: Where ``python -m benchmarks.<tool>`` runs from.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tree_shapes_are_topological_with_the_stated_depth():
@@ -40,9 +44,9 @@ def run_quick(module: str, out) -> tuple[dict, str]:
     """A benchmark's ``--quick`` run under Triton's interpreter: its JSON and markdown."""
     pytest.importorskip("triton")
     run = subprocess.run(
-        [sys.executable, "-m", f"vllm_retrieval_spec.benchmarks.{module}", "--quick",
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick",
          "--run-name", "quick", "--out-dir", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
         env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads((out / "quick.json").read_text()), (out / "quick.md").read_text()
@@ -65,16 +69,17 @@ def test_quick_run_checks_every_kernel_against_its_reference(quick_run):
         else:
             assert row["max_abs_err"] < 1e-4, row
             assert row["floor_us"] > 0 and row["triton_us"] > 0
-    assert result["command"] == ("python -m vllm_retrieval_spec.benchmarks.kernel_timing "
+    assert result["command"] == ("python -m benchmarks.kernel_timing "
                                  f"--quick --run-name quick --out-dir {out}")
     assert "## Tree attention" in table and "| SmolLM2-135M | float32 | 48 | tree-20 |" in table
 
 
 def test_full_run_needs_a_gpu(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "vllm_retrieval_spec.benchmarks.kernel_timing", "--run-name",
-         "x", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        [sys.executable, "-m", "benchmarks.kernel_timing", "--run-name", "x", "--out-dir",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
     assert not list(tmp_path.iterdir())
 
@@ -86,5 +91,5 @@ def test_quick_sweep_times_every_choice_and_the_default(tmp_path):
     assert list(attention["us"]) == ["default", "rows16-splits1", "rows32-splits1"]
     assert list(projection["us"]) == ["default", "splits1", "splits2"]
     assert all(t > 0 for row in (attention, projection) for t in row["us"].values())
-    assert result["command"].startswith("python -m vllm_retrieval_spec.benchmarks.kernel_sweep")
+    assert result["command"].startswith("python -m benchmarks.kernel_sweep")
     assert "| model | context | nodes | default | rows16-splits1 | rows32-splits1 |" in table

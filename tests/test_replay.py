@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.benchmarks.replay import (
+from benchmarks.replay import (
     CHOICE_CEILINGS, OracleGap, ceiling_select, draft_factory, expand_grid, longest_accepted,
     main, oracle_factory, replay)
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
@@ -40,7 +40,7 @@ def test_replay_counts_forwards_as_the_engine_would():
 
 
 def test_a_tree_accepts_its_longest_root_path_along_the_output():
-    from vllm_retrieval_spec.benchmarks.replay import accepted_length
+    from benchmarks.replay import accepted_length
     from vllm_retrieval_spec.drafting.tree import TreeDraft
 
     # root -> 5 -> 6 -> 7, and root -> 8 -> 9: the first branch is wrong after 5.
@@ -231,7 +231,7 @@ def test_choice_ceilings_are_replayed_beside_the_config(tmp_path, capsys):
 def test_replay_learns_from_served_records_in_order():
     """The second of two identical requests is drafted from the first one's output, as the
     engine's served store would; with the store off nothing is learnt."""
-    from vllm_retrieval_spec.benchmarks.replay import ServedReplay
+    from benchmarks.replay import ServedReplay
 
     record = {"prompt": [1, 2], "output": list(range(100, 130))}
     config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 8},
@@ -248,7 +248,7 @@ def test_replay_learns_from_served_records_in_order():
 def test_suffix_peer_replays_vllms_suffix_decoding():
     """vLLM's suffix method learns responses across requests too: a repeated request is drafted
     from the first one's response, up to the tree depth."""
-    from vllm_retrieval_spec.benchmarks.replay import SuffixDecodingReplay
+    from benchmarks.replay import SuffixDecodingReplay
 
     record = {"prompt": [1, 2], "output": list(range(100, 160))}
     peer = SuffixDecodingReplay()
@@ -260,7 +260,7 @@ def test_suffix_peer_replays_vllms_suffix_decoding():
 
 
 def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
-    from vllm_retrieval_spec.benchmarks.replay import measured_step_costs
+    from benchmarks.replay import measured_step_costs
 
     rows = [{"context_tokens": c, "draft_len": d, "ms_per_step_median": t}
             for c, table in ((50, {0: 50.0, 1: 60.0, 2: 45.0, 4: 45.0, 8: 55.0}),

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from vllm_retrieval_spec.benchmarks import tasks
-from vllm_retrieval_spec.benchmarks.tasks import (
+from vllm_retrieval_spec.bench import tasks
+from vllm_retrieval_spec.bench.tasks import (
     MAX_MODEL_LEN, TASKS, first_turn_conversations, lee_articles, load_first_turn_answers,
     mtbench_questions, stdlib_functions, task_conversations, task_prompts, write_first_turn_answers)
 
@@ -175,7 +175,7 @@ def test_module_import_is_cheap():
     import subprocess
     import sys
 
-    code = ("import sys, vllm_retrieval_spec.benchmarks.tasks; "
+    code = ("import sys, vllm_retrieval_spec.bench.tasks; "
             "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

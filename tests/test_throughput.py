@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_retrieval_spec.benchmarks.throughput import compared_with_plain, turns
+from vllm_retrieval_spec.bench.throughput import compared_with_plain, turns
 
 
 def test_interleaved_turns_give_every_engine_every_batch_once_in_rotating_order():
@@ -33,7 +33,7 @@ def test_rows_are_compared_with_plain_of_the_same_task_even_when_a_method_repeat
 
 
 def test_calibration_reads_cost_slope_and_the_costly_short_drafts():
-    from vllm_retrieval_spec.benchmarks.verify_cost import calibrated_options
+    from vllm_retrieval_spec.bench.verify_cost import calibrated_options
 
     def rows(times):
         return [{"context_tokens": 50, "draft_len": d, "ms_per_step_median": t}
@@ -49,7 +49,7 @@ def test_calibration_reads_cost_slope_and_the_costly_short_drafts():
 
 
 def test_plot_is_written_for_every_task(tmp_path):
-    from vllm_retrieval_spec.benchmarks.throughput import write_plot
+    from vllm_retrieval_spec.bench.throughput import write_plot
 
     rows = [{"task": t, "method": m, "datastore": d, "speedup": s, "tokens_per_forward": f,
              "outputs_equal_plain": e}
@@ -65,7 +65,7 @@ def test_plot_is_written_for_every_task(tmp_path):
 
 
 def test_halves_split_the_prompts_and_compare_each_with_plain_of_the_same_half():
-    from vllm_retrieval_spec.benchmarks.throughput import format_halves_table, halves
+    from vllm_retrieval_spec.bench.throughput import format_halves_table, halves
 
     # (prompts, output tokens, seconds, forwards) per batch: 5 prompts, batches of 2, 2, 1.
     plain = halves([(2, 40, 4.0, 40), (2, 40, 4.0, 40), (1, 20, 2.0, 20)])
@@ -89,7 +89,7 @@ def test_halves_split_the_prompts_and_compare_each_with_plain_of_the_same_half()
 
 
 def test_hybrid_without_a_datastore_name_runs_on_the_served_store_alone():
-    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+    from vllm_retrieval_spec.bench.throughput import method_runs
 
     runs = method_runs(["rest", "hybrid", "hybrid:stdlib"], 8, {"stdlib": "/ds"})
     assert [(r.label, (r.speculative_config or {}).get("datastore")) for r in runs] == [
@@ -97,7 +97,7 @@ def test_hybrid_without_a_datastore_name_runs_on_the_served_store_alone():
 
 
 def test_method_options_for_one_row_override_the_methods():
-    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+    from vllm_retrieval_spec.bench.throughput import method_runs
 
     runs = method_runs(["hybrid:a", "hybrid:b"], 8, {"a": "/a", "b": "/b"},
                        {"hybrid": {"num_speculative_tokens": 24, "served_weight": 1.0},
@@ -108,7 +108,7 @@ def test_method_options_for_one_row_override_the_methods():
 
 
 def test_tree_rows_sit_beside_the_same_methods_chain():
-    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+    from vllm_retrieval_spec.bench.throughput import method_runs
 
     runs = method_runs(["hybrid", "hybrid/tree", "rest:stdlib/tree"], 8, {"stdlib": "/ds"})
     assert [r.label for r in runs] == ["plain", "hybrid", "hybrid/tree", "rest:stdlib/tree"]
@@ -122,7 +122,7 @@ def test_tree_rows_sit_beside_the_same_methods_chain():
 
 
 def test_after_sampling_and_unpadded_rows_turn_one_option_off():
-    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+    from vllm_retrieval_spec.bench.throughput import method_runs
 
     runs = method_runs(["pld", "pld/after-sampling", "hybrid/unpadded"], 8, {})
     assert [r.label for r in runs] == ["plain", "pld", "pld/after-sampling", "hybrid/unpadded"]
@@ -134,7 +134,7 @@ def test_after_sampling_and_unpadded_rows_turn_one_option_off():
 
 
 def test_served_dense_rows_are_hybrid_with_the_dense_half():
-    from vllm_retrieval_spec.benchmarks.throughput import method_runs
+    from vllm_retrieval_spec.bench.throughput import method_runs
 
     runs = method_runs(["hybrid", "hybrid/served-dense"], 24, {})
     assert [r.label for r in runs] == ["plain", "hybrid", "hybrid/served-dense"]
@@ -144,7 +144,7 @@ def test_served_dense_rows_are_hybrid_with_the_dense_half():
 
 
 def test_rows_count_draft_tokens_per_forward_and_plain_has_none():
-    from vllm_retrieval_spec.benchmarks.throughput import BenchSettings, MethodRun, _row
+    from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun, _row
 
     no_drafting = {"p50_ms": None, "p99_ms": None, "critical_p50_ms": None,
                    "critical_p99_ms": None}
@@ -177,7 +177,7 @@ def test_rows_count_draft_tokens_per_forward_and_plain_has_none():
 
 
 def test_cpu_kv_cache_is_sized_to_the_run(tmp_path):
-    from vllm_retrieval_spec.benchmarks.throughput import BenchSettings, cpu_kv_cache_bytes
+    from vllm_retrieval_spec.bench.throughput import BenchSettings, cpu_kv_cache_bytes
 
     # SmolLM2-135M's shape: float32 K and V of 30 layers x 3 KV heads x 64 dims per token.
     (tmp_path / "config.json").write_text(json.dumps({

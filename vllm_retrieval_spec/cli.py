@@ -85,7 +85,7 @@ def build_datastore_command(args: argparse.Namespace) -> None:
 
 
 def generate_corpus_command(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.benchmarks.tasks import task_conversations
+    from vllm_retrieval_spec.bench.tasks import task_conversations
     from vllm_retrieval_spec.datastore.generate import generate_corpus
 
     generate_corpus(
@@ -160,7 +160,7 @@ def _has_option(argv: list[str], *names: str) -> bool:
 
 
 def bench_command(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.benchmarks.throughput import (
+    from vllm_retrieval_spec.bench.throughput import (
         BenchSettings, check_memory_for_interleaving, format_table, method_runs, run_benchmark,
         write_results)
 
@@ -230,7 +230,7 @@ def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[i
     after the file)."""
     from transformers import AutoTokenizer
 
-    from vllm_retrieval_spec.benchmarks.tasks import (
+    from vllm_retrieval_spec.bench.tasks import (
         TASKS, file_requests, render, task_prompts)
 
     tasks = args.tasks.split(",") if args.tasks else [] if args.prompts_file else ["code-gen"]
@@ -270,7 +270,7 @@ def check_prompt_counts(counts: dict[str, int], asked: int | None, offset: int) 
 
 
 def calibrate_command(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.benchmarks.verify_cost import calibrated_options, measure
+    from vllm_retrieval_spec.bench.verify_cost import calibrated_options, measure
 
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
     with engine_output_to(None if args.verbose else log) as terminal:
@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's own answers to task prompts, as a chat jsonl corpus")
     p.add_argument("-o", "--output", required=True, help="jsonl file to write")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--task", default="code-gen", help="prompt set (see benchmarks/tasks.py)")
+    p.add_argument("--task", default="code-gen", help="prompt set (see vllm_retrieval_spec/bench/tasks.py)")
     p.add_argument("--prompts", type=int, default=None, help="how many (default: all)")
     p.add_argument("--prompt-offset", type=int, default=0,
                    help="skip this many (keep benchmark prompts out of the datastore)")

@@ -25,7 +25,7 @@ def answer_conversations(model: str, conversations: list[list[dict[str, str]]], 
     """
     from vllm import LLM, SamplingParams
 
-    from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
+    from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
 
     if not conversations:
         raise ValueError("no prompts to answer")

