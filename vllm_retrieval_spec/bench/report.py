@@ -1,5 +1,5 @@
-"""The results every benchmark writes (``shared/notes/bench-results-schema.md``): a JSON document
-``<run>.json`` and a markdown page ``<run>.md`` beside it, saying where, when and how it was made.
+"""The results every benchmark writes (``docs/results-schema.md``): a JSON document ``<run>.json``
+and a markdown page ``<run>.md`` beside it, saying where, when and how it was made.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ by side.
 
 Every method runs in this one process on the same prompts (greedy), all engines alive and taking
 turns prompt by prompt (or, with ``interleave=False``, one engine after another), so the ratios in
-one results file are fair. Results follow ``shared/notes/bench-results-schema.md``; a PNG plot of
+one results file are fair. Results follow ``docs/results-schema.md``; a PNG plot of
 speedup and tokens per forward goes beside them.
 """
 
@@ -101,7 +101,7 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
         if name == "plain":
             continue
         if name == "ngram":
-            # n from 4 down to 2, as measured in shared/notes; vLLM's default (5..5) drafts less.
+            # n from 4 down to 2: shorter matches than vLLM's default (5..5), which drafts less.
             runs.append(MethodRun("ngram", {"method": "ngram", "num_speculative_tokens": k,
                                             "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
             continue
