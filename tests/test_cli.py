@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_retrieval_spec import cli
+from vllm_retrieval_spec.bench import commands
 
 
 @pytest.fixture
@@ -161,7 +162,7 @@ def test_engine_output_goes_to_the_log_and_the_bar_to_the_terminal(tmp_path, cap
     import subprocess
 
     log = tmp_path / "run.log"
-    with cli.engine_output_to(log) as terminal:
+    with commands.engine_output_to(log) as terminal:
         # vLLM's engine processes inherit file descriptors 1 and 2.
         subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('engine says\\n'); "
                         "print('engine logs')"], check=True)
@@ -174,10 +175,10 @@ def test_engine_output_goes_to_the_log_and_the_bar_to_the_terminal(tmp_path, cap
 
 
 def test_tasks_short_of_the_prompts_asked_for_are_named(tmp_path, capsys):
-    cli.check_prompt_counts({"chat": 80, "mine": 20}, 40, 60)
+    commands.check_prompt_counts({"chat": 80, "mine": 20}, 40, 60)
     assert capsys.readouterr().err == ("warning: task 'mine' has 20 prompts from offset 60 on, "
                                        "fewer than the 40 asked for; its rows use 20\n")
-    cli.check_prompt_counts({"chat": 80}, None, 0)
+    commands.check_prompt_counts({"chat": 80}, None, 0)
     assert capsys.readouterr().err == ""
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')

@@ -115,7 +115,7 @@ def test_sampled_requests_keep_the_target_distribution(spec_llm, code_prompts, p
 
 
 def test_drafting_time_is_recorded_for_every_step(spec_llm, code_prompts):
-    from vllm_retrieval_spec.bench.throughput import ForwardCounter
+    from vllm_retrieval_spec.bench.engine import ForwardCounter
 
     spec_llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
     forwards = ForwardCounter(spec_llm)
@@ -132,7 +132,7 @@ def test_dresd_queries_with_the_right_hidden_state(spec_llm, code_prompts, plain
     produced the last token, a neighbour's stored next token is that token and its continuation
     is the answer's: long drafts, nearly all accepted. Any other state (an off-by-one row, a
     draft token's state) fails the next-token filter and drafts little."""
-    from vllm_retrieval_spec.bench.throughput import ForwardCounter
+    from vllm_retrieval_spec.bench.engine import ForwardCounter
 
     half = len(code_prompts) // 2
     forwards = ForwardCounter(spec_llm)

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from vllm_retrieval_spec.bench.throughput import compared_with_plain, turns
+from vllm_retrieval_spec.bench.engine import turns
+from vllm_retrieval_spec.bench.results import compared_with_plain
 
 
 def test_interleaved_turns_give_every_engine_every_batch_once_in_rotating_order():
@@ -49,7 +50,7 @@ def test_calibration_reads_cost_slope_and_the_costly_short_drafts():
 
 
 def test_plot_is_written_for_every_task(tmp_path):
-    from vllm_retrieval_spec.bench.throughput import write_plot
+    from vllm_retrieval_spec.bench.results import write_plot
 
     rows = [{"task": t, "method": m, "datastore": d, "speedup": s, "tokens_per_forward": f,
              "outputs_equal_plain": e}
@@ -65,7 +66,7 @@ def test_plot_is_written_for_every_task(tmp_path):
 
 
 def test_halves_split_the_prompts_and_compare_each_with_plain_of_the_same_half():
-    from vllm_retrieval_spec.bench.throughput import format_halves_table, halves
+    from vllm_retrieval_spec.bench.results import format_halves_table, halves
 
     # (prompts, output tokens, seconds, forwards) per batch: 5 prompts, batches of 2, 2, 1.
     plain = halves([(2, 40, 4.0, 40), (2, 40, 4.0, 40), (1, 20, 2.0, 20)])
@@ -144,40 +145,42 @@ def test_served_dense_rows_are_hybrid_with_the_dense_half():
 
 
 def test_rows_count_draft_tokens_per_forward_and_plain_has_none():
-    from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun, _row
+    from vllm_retrieval_spec.bench.results import task_row
+    from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun
 
     no_drafting = {"p50_ms": None, "p99_ms": None, "critical_p50_ms": None,
                    "critical_p99_ms": None}
     settings = BenchSettings()
     # Two prompts, 10 output tokens in 4 forwards (prefill included): 3 drafting steps that
     # verified 9 draft tokens, 6 of them accepted.
-    hybrid = _row(MethodRun("hybrid", {"method": "hybrid"}), 24, "chat", settings,
-                  [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9, no_drafting)
+    hybrid = task_row(MethodRun("hybrid", {"method": "hybrid"}), 24, "chat", settings,
+                     [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9, no_drafting)
     assert hybrid["draft_tokens_per_forward"] == 2.25
     assert hybrid["tokens_per_forward"] == 2.5
     assert hybrid["mean_acceptance_length"] == 3.0
-    plain = _row(MethodRun("plain"), None, "chat", settings, [[1] * 6, [2] * 4],
-                 [(2, 10, 0.5, 10)], 0, 0, 0, no_drafting)
+    plain = task_row(MethodRun("plain"), None, "chat", settings, [[1] * 6, [2] * 4],
+                    [(2, 10, 0.5, 10)], 0, 0, 0, no_drafting)
     assert plain["draft_tokens_per_forward"] is None
     assert "padded_share" not in hybrid
-    padded = _row(MethodRun("hybrid", {"method": "hybrid"}), 24, "chat", settings,
-                  [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9,
-                  {**no_drafting, "padded_drafts": 1, "step_ms_draft_0": 50.6,
-                   "step_ms_draft_4": 43.8})
+    padded = task_row(MethodRun("hybrid", {"method": "hybrid"}), 24, "chat", settings,
+                     [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9,
+                     {**no_drafting, "padded_drafts": 1, "step_ms_draft_0": 50.6,
+                      "step_ms_draft_4": 43.8})
     assert padded["padded_share"] == 0.25
     assert padded["step_ms_by_draft_len"] == {0: 50.6, 4: 43.8}
     assert "tree_step_share" not in padded
-    tree = _row(MethodRun("hybrid/tree", {"method": "hybrid", "tree": "on"}), 24, "chat",
-                settings, [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9,
-                {**no_drafting, "tree_nodes_mean": 3.0, "tree_steps": 1, "padded_drafts": 1,
-                 "step_ms_draft_4": 43.8,
-                 "step_ms_tree_extra": 5.2})
+    tree = task_row(MethodRun("hybrid/tree", {"method": "hybrid", "tree": "on"}), 24, "chat",
+                   settings, [[1] * 6, [2] * 4], [(2, 10, 0.5, 4)], 6, 3, 9,
+                   {**no_drafting, "tree_nodes_mean": 3.0, "tree_steps": 1, "padded_drafts": 1,
+                    "step_ms_draft_4": 43.8,
+                    "step_ms_tree_extra": 5.2})
     assert tree["tree_step_share"] == 0.25 and tree["tree_extra_ms"] == 5.2
     assert tree["step_ms_by_draft_len"] == {4: 43.8}
 
 
 def test_cpu_kv_cache_is_sized_to_the_run(tmp_path):
-    from vllm_retrieval_spec.bench.throughput import BenchSettings, cpu_kv_cache_bytes
+    from vllm_retrieval_spec.bench.engine import cpu_kv_cache_bytes
+    from vllm_retrieval_spec.bench.throughput import BenchSettings
 
     # SmolLM2-135M's shape: float32 K and V of 30 layers x 3 KV heads x 64 dims per token.
     (tmp_path / "config.json").write_text(json.dumps({

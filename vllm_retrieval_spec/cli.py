@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
 import sys
 import sysconfig
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+
+from vllm_retrieval_spec.bench.commands import (
+    TASK_PROMPTS,
+    bench_command,
+    calibrate_command,
+    demo_command,
+)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Source aliases for build-datastore: corpora every Python machine has.
@@ -159,161 +162,6 @@ def _has_option(argv: list[str], *names: str) -> bool:
     return any(a.split("=")[0] in names for a in argv)
 
 
-def bench_command(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.bench.throughput import (
-        BenchSettings, check_memory_for_interleaving, format_table, method_runs, run_benchmark,
-        write_results)
-
-    model = resolve_model(args.model)
-    datastores = {}
-    for entry in args.datastore or []:
-        name, _, path = entry.rpartition("=")
-        datastores[name or Path(path).name] = path
-    settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
-                             concurrency=args.concurrency, interleave=not args.sequential)
-    try:
-        runs = method_runs(args.methods.split(","), args.k, datastores,
-                           json.loads(args.method_options) if args.method_options else None)
-        if not args.sequential:
-            check_memory_for_interleaving(len(runs), model, settings)
-        prompts = bench_prompts(model, args)
-    except ValueError as e:
-        # Bad input or too little memory: say so before any engine starts, without a traceback.
-        raise SystemExit(f"error: {e}") from None
-    log = Path(args.output_dir or tempfile.gettempdir()) / f"{args.run_name}.log"
-    with engine_output_to(None if args.verbose else log) as terminal:
-        results = run_benchmark(model, runs, prompts, settings, args.run_name,
-                                args.command_line, progress_file=terminal)
-    print(format_table(results["rows"]))
-    if args.output_dir:
-        json_path, md_path, png_path = write_results(results, args.output_dir)
-        print(f"results: {json_path} and {md_path}\nplot: {png_path}")
-    if not args.verbose:
-        print(f"vLLM's log: {log}")
-
-
-@contextlib.contextmanager
-def engine_output_to(log: Path | None) -> Iterator[TextIO]:
-    """With a ``log``, everything written to file descriptors 1 and 2 while the block runs
-    (vLLM's log, which goes to stdout, its warnings, its engine and worker processes, which
-    inherit the descriptors, C++ libraries) goes to that file instead of the terminal. Yields a
-    stream on the terminal's stderr for what the user should see (a progress bar)."""
-    if log is None:
-        yield sys.stderr
-        return
-    log.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    with open(log, "w") as file, os.fdopen(os.dup(saved[2]), "w") as terminal:
-        for fd in saved:
-            os.dup2(file.fileno(), fd)
-        try:
-            yield terminal
-        except BaseException:
-            terminal.write(f"failed; vLLM's log: {log}\n")
-            raise
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, copy in saved.items():
-                os.dup2(copy, fd)
-                os.close(copy)
-
-
-#: Prompts per benchmark task when ``--prompts`` is not given.
-TASK_PROMPTS = 20
-
-
-def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[int]]]:
-    """Task name -> prompt token ids: the named tasks, then one task per prompts file (named
-    after the file)."""
-    from transformers import AutoTokenizer
-
-    from vllm_retrieval_spec.bench.tasks import (
-        TASKS, file_requests, render, task_prompts)
-
-    tasks = args.tasks.split(",") if args.tasks else [] if args.prompts_file else ["code-gen"]
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}, or give your "
-                         "own prompts with --prompts-file")
-    names = [Path(f).stem for f in args.prompts_file or []]
-    if len(set(names) | set(tasks)) < len(names) + len(tasks):
-        raise ValueError(f"a prompts file is a task named after its file, so file names must "
-                         f"differ from each other and from the tasks: {names} and {tasks}")
-    files = dict(zip(names, args.prompts_file or []))
-    # Read every file before the tokenizer loads, so a bad line fails at once.
-    requests = {name: file_requests(f, args.prompts, args.prompt_offset)
-                for name, f in files.items()}
-    check_prompt_counts({name: len(batch) for name, batch in requests.items()}, args.prompts,
-                        args.prompt_offset)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    per_task = TASK_PROMPTS if args.prompts is None else args.prompts
-    prompts = {t: task_prompts(t, tokenizer, per_task, args.prompt_offset) for t in tasks}
-    check_prompt_counts({t: len(prompts[t]) for t in tasks}, per_task, args.prompt_offset)
-    prompts.update({name: [render(r, tokenizer) for r in batch]
-                    for name, batch in requests.items()})
-    return prompts
-
-
-def check_prompt_counts(counts: dict[str, int], asked: int | None, offset: int) -> None:
-    """Refuse a task left with no prompts from ``offset`` on; warn of one with fewer than
-    ``asked`` (its rows then average fewer prompts than the others')."""
-    for name, count in counts.items():
-        if asked is not None and count < asked:
-            message = (f"task {name!r} has {count} prompts from offset {offset} on, fewer than "
-                       f"the {asked} asked for")
-            if not count:
-                raise ValueError(message)
-            print(f"warning: {message}; its rows use {count}", file=sys.stderr)
-
-
-def calibrate_command(args: argparse.Namespace) -> None:
-    from vllm_retrieval_spec.bench.verify_cost import calibrated_options, measure
-
-    log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
-    with engine_output_to(None if args.verbose else log) as terminal:
-        rows = measure(resolve_model(args.model), _integers(args.contexts),
-                       _integers(args.lengths), args.repeats, args.max_tokens, terminal)
-    options = calibrated_options(rows)
-    for row in rows:
-        print(f"context {row['context_tokens']:5d} tokens, draft {row['draft_len']:3d} tokens: "
-              f"{row['ms_per_step_median']:7.1f} ms per step")
-    print("speculative_config options measured for this machine:")
-    print(json.dumps(options))
-    if args.output:
-        Path(args.output).write_text(json.dumps({"options": options, "steps": rows}, indent=1)
-                                     + "\n")
-        print(f"wrote {args.output}")
-
-
-def _integers(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
-#: The demo's comparison: plain decoding, vLLM's two drafters, REST and hybrid on the stdlib
-#: datastore (hybrid also learns from what it serves).
-DEMO_METHODS = "plain,ngram,suffix,rest:stdlib,hybrid:stdlib"
-
-
-def demo_command(args: argparse.Namespace) -> None:
-    """Model, stdlib datastore (both cached), then plain vs ngram vs suffix vs REST vs hybrid."""
-    from vllm_retrieval_spec.assets import cache_dir
-
-    start = time.perf_counter()
-    model = resolve_model(DEFAULT_MODEL)
-    datastore = cache_dir() / "datastores" / "stdlib"
-    if not (datastore / "manifest.json").exists():
-        main(["build-datastore", "@stdlib", "-o", str(datastore), "--model", model])
-    main(["bench", "--model", model, "--methods", DEMO_METHODS,
-          "--datastore", f"stdlib={datastore}", "--tasks", "code-gen",
-          "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
-          "--run-name", "demo", "--output-dir", str(args.output_dir or cache_dir() / "demo"),
-          *(["--verbose"] if args.verbose else [])])
-    print(f"demo finished in {time.perf_counter() - start:.0f} s")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-rsd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -355,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's own answers to task prompts, as a chat jsonl corpus")
     p.add_argument("-o", "--output", required=True, help="jsonl file to write")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--task", default="code-gen", help="prompt set (see vllm_retrieval_spec/bench/tasks.py)")
+    p.add_argument("--task", default="code-gen",
+                   help="prompt set (see vllm_retrieval_spec/bench/tasks.py)")
     p.add_argument("--prompts", type=int, default=None, help="how many (default: all)")
     p.add_argument("--prompt-offset", type=int, default=0,
                    help="skip this many (keep benchmark prompts out of the datastore)")
