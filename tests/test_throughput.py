@@ -49,20 +49,32 @@ def test_calibration_reads_cost_slope_and_the_costly_short_drafts():
     assert gpu == {"draft_token_cost": 0.01, "min_draft_len": 1, "draft_budget_ms": 0.7}
 
 
-def test_plot_is_written_for_every_task(tmp_path):
+def test_plot_draws_every_tasks_bars(tmp_path):
     from vllm_retrieval_spec.bench.results import write_plot
 
-    rows = [{"task": t, "method": m, "datastore": d, "speedup": s, "tokens_per_forward": f,
-             "outputs_equal_plain": e}
-            for t in ("code-gen", "chat")
+    tasks = ("code-gen", "summarize", "chat")
+    rows = [{"task": t, "method": m, "datastore": d, "speedup": s + i / 10,
+             "tokens_per_forward": f + i / 10, "outputs_equal_plain": e}
+            for i, t in enumerate(tasks)
             for m, d, s, f, e in (("plain", None, 1.0, 1.0, True), ("ngram", None, 1.4, 1.6, True),
                                   ("hybrid", "own", 1.9, 2.1, False))]
-    write_plot({"run": "r", "model": "m", "machine": "cpu", "vllm": "0.32.0", "rows": rows},
-               tmp_path / "r.png")
+    figure = write_plot({"run": "r", "model": "m", "machine": "cpu", "vllm": "0.32.0",
+                         "rows": rows}, tmp_path / "r.png")
     import matplotlib.image
 
     image = matplotlib.image.imread(tmp_path / "r.png")
     assert image.shape[0] > 300 and image.shape[1] > 800
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["ngram", "hybrid:own"]
+    speedup, tokens_per_forward = figure.axes
+    for ax, metric in ((speedup, "speedup"), (tokens_per_forward, "tokens_per_forward")):
+        assert [label.get_text() for label in ax.get_xticklabels()] == list(tasks)
+        # One bar per method in each task's group (centred on the task's tick), plain excepted;
+        # hatched where the outputs differ from plain's.
+        drawn = sorted((round(bar.get_x() + bar.get_width() / 2), round(bar.get_height(), 3),
+                        bar.get_hatch()) for bar in ax.patches)
+        assert drawn == sorted((tasks.index(r["task"]), round(r[metric], 3),
+                                None if r["outputs_equal_plain"] else "//")
+                               for r in rows if r["method"] != "plain")
 
 
 def test_halves_split_the_prompts_and_compare_each_with_plain_of_the_same_half():

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from vllm_retrieval_spec.bench.report import markdown_table, write_report
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun
 
 
@@ -169,9 +171,10 @@ def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path
     return json_path, md_path, png_path
 
 
-def write_plot(results: dict[str, Any], path: Path) -> None:
+def write_plot(results: dict[str, Any], path: Path) -> Figure:
     """Speedup over plain and tokens per target forward, per method (bars) and task (groups).
-    Plain decoding is the dashed line at 1; hatched bars did not equal plain's greedy output."""
+    Plain decoding is the dashed line at 1; hatched bars did not equal plain's greedy output.
+    Returns the figure written (closed), whose two axes hold the bars."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; must precede pyplot
@@ -204,6 +207,7 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
                  f"vLLM {results['vllm']} (dashed: plain decoding)", fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def _label(row: dict[str, Any]) -> str:
