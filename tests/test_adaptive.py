@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_proposers import batch, vllm_config
+from helpers import batch, vllm_config
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, max_worthwhile_len
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from helpers import WORDS, make_tokenizer
 from vllm_retrieval_spec.datastore import (
     FORMAT_VERSION,
     SEPARATOR,
@@ -23,25 +23,6 @@ from vllm_retrieval_spec.datastore import (
     tokenizer_fingerprint,
 )
 from vllm_retrieval_spec.datastore.format import MANIFEST_FILE, SUFFIX_ARRAY_FILE, TOKENS_FILE
-
-WORDS = "def return import class self if else for in x y print hello world user assistant the a"
-# Filler entries push the real words above 65,535, where a uint16 stream would wrap.
-NUM_FILLER = 70_000
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
-
-
-def make_tokenizer(words: str = WORDS) -> PreTrainedTokenizerFast:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"<filler{i}>": 3 + i for i in range(NUM_FILLER)})
-    vocab.update({w: len(vocab) + i for i, w in enumerate(words.split())})
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_datastore import make_tokenizer
+from helpers import make_tokenizer
 from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
 from vllm_retrieval_spec.config import ConfigError
 from vllm_retrieval_spec.datastore import DatastoreError, build_datastore

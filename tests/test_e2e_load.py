@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import E2E_MAX_TOKENS, K, openai_server, prometheus_samples, server_healthy
+from helpers import E2E_MAX_TOKENS, K, openai_server, prometheus_samples, server_healthy
 
 pytestmark = pytest.mark.e2e
 

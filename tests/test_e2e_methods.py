@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from conftest import (E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, openai_server,
-                      prometheus_samples, shutdown)
+from helpers import (E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, openai_server,
+                     prometheus_samples, shutdown, spec_counters)
 
 pytestmark = pytest.mark.e2e
 
@@ -38,16 +38,6 @@ def spec_llm(request, model_dir, plain_outputs):
     llm = make_llm(model_dir, spec)
     yield llm
     shutdown(llm)
-
-
-def spec_counters(llm) -> dict[str, float]:
-    names = {"vllm:spec_decode_num_drafts": "drafts",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    values = dict.fromkeys(names.values(), 0.0)
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            values[names[metric.name]] += metric.value
-    return values
 
 
 def test_greedy_equals_plain_one_request_at_a_time(request, spec_llm, code_prompts,

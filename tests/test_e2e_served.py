@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from conftest import E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown
-from test_e2e_methods import spec_counters
+from helpers import E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters
 from vllm_retrieval_spec.cli import main
 from vllm_retrieval_spec.datastore.format import load_datastore
 

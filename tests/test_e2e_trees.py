@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import generate_ids, greedy, make_llm, shutdown
+from helpers import generate_ids, greedy, make_llm, shutdown
 from tree_oracle_proposer import SEQUENCES_ENV, TREE
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run_interpreted
+from helpers import run_interpreted
 from vllm_retrieval_spec.kernels import projection
 from vllm_retrieval_spec.kernels.projection import project, project_reference, project_triton
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_proposers import VOCAB, batch, vllm_config
+from helpers import VOCAB, batch, vllm_config
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 from vllm_retrieval_spec.datastore.suffix_array import build_suffix_array, suffix_followers
 from vllm_retrieval_spec.drafting.overlap import (

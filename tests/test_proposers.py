@@ -3,30 +3,14 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
+from helpers import VOCAB, batch, make_tokenizer, vllm_config
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.rest import RestProposer
-
-VOCAB = 100
-
-
-def vllm_config(options: dict, max_model_len: int = 64):
-    # No padding unless a test asks for it: it follows this machine's step times
-    # (tests/test_step_cost.py drives it with a clock of its own).
-    config = parse_speculative_config({"pad_drafts": False, **options}, VLLM_CPU_DEFAULTS)
-    return SimpleNamespace(
-        additional_config={PLUGIN_KEY: config.to_dict()},
-        speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
-        model_config=SimpleNamespace(max_model_len=max_model_len,
-                                     get_vocab_size=lambda: VOCAB),
-    )
-
 
 @pytest.fixture
 def datastore(tmp_path) -> str:
@@ -43,13 +27,6 @@ def rest(datastore, max_model_len=64, **options):
     return RestProposer(vllm_config({"method": "rest", "num_speculative_tokens": 4,
                                      "datastore": datastore, "min_prefix_prob": 0.0,
                                      "prior_weight": 0.0, **options}, max_model_len))
-
-
-def batch(*contexts, width=64):
-    tokens = np.zeros((len(contexts), width), dtype=np.int32)
-    for i, c in enumerate(contexts):
-        tokens[i, : len(c)] = c
-    return tokens, np.array([len(c) for c in contexts], dtype=np.int32)
 
 
 def test_rest_drafts_the_majority_continuation_capped_at_k(datastore):
@@ -198,8 +175,6 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
     """With no datastore at all: request "a" generates 10..19; once it has left the batch a
     new request that reaches "10 11" is drafted its continuation. With served_datastore the
     store is saved when the proposer closes, and a new proposer starts from it."""
-    from test_datastore import make_tokenizer
-
     from vllm_retrieval_spec.proposers.hybrid import HybridProposer
 
     tokenizer = make_tokenizer()

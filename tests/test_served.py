@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from test_suffix_array import brute_force_match
+from helpers import brute_force_match, make_tokenizer
 from vllm_retrieval_spec.datastore.format import (
     MANIFEST_FILE, DatastoreError, load_datastore, tokenizer_fingerprint)
 from vllm_retrieval_spec.datastore.served import (
@@ -139,8 +139,6 @@ def test_prompts_are_stored_when_asked():
 
 
 def test_saved_store_is_a_datastore_that_loads_back(tmp_path):
-    from test_datastore import make_tokenizer
-
     tokenizer = make_tokenizer()
     fingerprint = tokenizer_fingerprint(tokenizer)
     store = ServedStore(1000, background=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_proposers import batch, vllm_config
+from helpers import batch, vllm_config
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, ConfigError, parse_speculative_config
 from vllm_retrieval_spec.datastore.dense import Projection
 from vllm_retrieval_spec.datastore.served import ServedRequests, ServedStore

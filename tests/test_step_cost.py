@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_proposers import batch, vllm_config
+from helpers import batch, vllm_config
 from vllm_retrieval_spec.drafting.step_cost import (
     EXPIRE_EVERY,
     MAX_SAMPLE_AGE,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import brute_force_match
 from vllm_retrieval_spec.datastore.format import SEPARATOR
 from vllm_retrieval_spec.datastore.suffix_array import (
     build_suffix_array,
@@ -53,18 +54,6 @@ def realistic_stream(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray
         parts.append(part)
         total += len(part)
     return np.concatenate(parts)[:n].astype(np.int32)
-
-
-def brute_force_match(
-    tokens: np.ndarray, context: np.ndarray, min_len: int, max_len: int
-) -> tuple[int, set[int]]:
-    """REST's Algorithm 1 by scanning every position: (n, start positions) or (0, set())."""
-    for n in range(min(max_len, len(context)), min_len - 1, -1):
-        pattern = context[len(context) - n :].tolist()
-        found = {i for i in range(len(tokens) - n + 1) if tokens[i : i + n].tolist() == pattern}
-        if found:
-            return n, found
-    return 0, set()
 
 
 @pytest.mark.parametrize(

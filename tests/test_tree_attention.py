@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run_interpreted
+from helpers import run_interpreted
 from vllm_retrieval_spec.kernels import tree_attention as kernels
 from vllm_retrieval_spec.kernels.tree_attention import (
     tree_ancestor_mask,

@@ -1,0 +1,210 @@
+"""Helpers the test modules share: plain functions and constants (fixtures are in conftest.py).
+
+Test modules import them as ``from helpers import ...`` (pytest puts tests/ on the path, as for
+tree_oracle_proposer); no test module imports another test module, or conftest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# --- Proposers without vLLM ----------------------------------------------------------------------
+
+VOCAB = 100
+
+
+def vllm_config(options: dict, max_model_len: int = 64):
+    """What a proposer reads of vLLM's config, for the method ``options`` describe."""
+    from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
+
+    # No padding unless a test asks for it: it follows this machine's step times
+    # (tests/test_step_cost.py drives it with a clock of its own).
+    config = parse_speculative_config({"pad_drafts": False, **options}, VLLM_CPU_DEFAULTS)
+    return SimpleNamespace(
+        additional_config={PLUGIN_KEY: config.to_dict()},
+        speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
+        model_config=SimpleNamespace(max_model_len=max_model_len,
+                                     get_vocab_size=lambda: VOCAB),
+    )
+
+
+def batch(*contexts, width=64):
+    """vLLM's token ids (one row per context, zero-padded to ``width``) and the rows' lengths."""
+    tokens = np.zeros((len(contexts), width), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        tokens[i, : len(c)] = c
+    return tokens, np.array([len(c) for c in contexts], dtype=np.int32)
+
+
+# --- Datastores ----------------------------------------------------------------------------------
+
+WORDS = "def return import class self if else for in x y print hello world user assistant the a"
+# Filler entries push the real words above 65,535, where a uint16 stream would wrap.
+NUM_FILLER = 70_000
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+
+
+def make_tokenizer(words: str = WORDS) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of ``words`` whose ids lie above 65,535, with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<filler{i}>": 3 + i for i in range(NUM_FILLER)})
+    vocab.update({w: len(vocab) + i for i, w in enumerate(words.split())})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def brute_force_match(
+    tokens: np.ndarray, context: np.ndarray, min_len: int, max_len: int
+) -> tuple[int, set[int]]:
+    """REST's Algorithm 1 by scanning every position: (n, start positions) or (0, set())."""
+    for n in range(min(max_len, len(context)), min_len - 1, -1):
+        pattern = context[len(context) - n :].tolist()
+        found = {i for i in range(len(tokens) - n + 1) if tokens[i : i + n].tolist() == pattern}
+        if found:
+            return n, found
+    return 0, set()
+
+
+# --- Kernels under Triton's interpreter ----------------------------------------------------------
+
+def run_interpreted(script: str, directory: Path) -> dict:
+    """What ``script`` saves (``python script PATH``) when run in a fresh process with
+    ``TRITON_INTERPRET=1``: Triton reads that variable when it is first imported, and this
+    process's Triton must stay compiled for every other test (see test_kernels.py). The saved
+    dict's ``interpreted`` lists, per kernel, whether the interpreter ran it."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    path = directory / "outputs.pt"
+    run = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    if run.returncode != 0:
+        pytest.fail(f"interpreted kernel run failed:\n{run.stderr[-6000:]}")
+    results = torch.load(path)
+    assert all(results["interpreted"]), "a kernel was not run by the interpreter"
+    return results
+
+
+# --- End-to-end: engines and servers -------------------------------------------------------------
+
+E2E_PROMPTS = 8
+E2E_MAX_TOKENS = 32
+K = 8
+
+
+def make_llm(model_dir: str, speculative_config: dict | None):
+    from vllm import LLM
+
+    # float32: bfloat16 breaks exact greedy equality even for vLLM's own ngram (see README).
+    return LLM(model=model_dir, speculative_config=speculative_config, enforce_eager=True,
+               dtype="float32", max_model_len=MAX_MODEL_LEN, disable_log_stats=False, seed=0,
+               max_num_seqs=8)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy(max_tokens: int = E2E_MAX_TOKENS):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def generate_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def spec_counters(llm) -> dict[str, float]:
+    """vLLM's speculative-decoding counters so far: drafts and accepted draft tokens."""
+    names = {"vllm:spec_decode_num_drafts": "drafts",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    values = dict.fromkeys(names.values(), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            values[names[metric.name]] += metric.value
+    return values
+
+
+@contextlib.contextmanager
+def openai_server(model_dir: str, args: list[str], log_path: Path):
+    """`vllm-rsd serve` (the console script a user runs) on 127.0.0.1; yields its base URL once
+    /health answers. Its output goes to ``log_path`` (a pipe nobody reads would fill up)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "vllm-rsd"), "serve", model_dir,
+             "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", str(MAX_MODEL_LEN), *args],
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log,
+            stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not server_healthy(base):
+                assert server.poll() is None, log_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "server did not become healthy in 300 s"
+                time.sleep(2)
+            yield base
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def server_healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def prometheus_samples(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text exposition, keyed by name with the labels in
+    alphabetical order (multiprocess collection does not keep declaration order)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                       + "}" if sample.labels else ""): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+    }
+
