@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import E2E_PROMPTS, generate_ids, greedy, make_llm, shutdown
+from helpers import E2E_PROMPTS, generate_ids, greedy, make_llm, shutdown, vllm_patches_undone
 
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -86,3 +86,11 @@ def plain_outputs(model_dir, code_prompts) -> list[list[int]]:
     finally:
         shutdown(llm)
 
+
+@pytest.fixture
+def undo_register():
+    """For a test that calls ``plugin.register()`` on the real vLLM: whatever it patched is put
+    back after the test (``helpers.vllm_patches_undone``), so later tests run as they would
+    have without it."""
+    with vllm_patches_undone():
+        yield

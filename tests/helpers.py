@@ -208,3 +208,56 @@ def prometheus_samples(text: str) -> dict[str, float]:
         for family in text_string_to_metric_families(text) for sample in family.samples
     }
 
+
+# --- The plugin's patches of vLLM ----------------------------------------------------------------
+
+#: What ``plugin.register()`` adds to vLLM, and what it replaces besides the private methods its
+#: inventory (``plugin._WRAPPED_SIGNATURES``) lists.
+PATCHED_BESIDES_INVENTORY = ("vllm.v1.worker.gpu_worker.Worker.rsd_drafting_stats",
+                             "vllm.engine.arg_utils.EngineArgs.create_speculative_config")
+_ABSENT = object()
+
+
+def patched_by_register() -> list[tuple[Any, str]]:
+    """(class or module, attribute name) of everything ``plugin.register()`` may replace or add
+    on vLLM."""
+    import importlib
+
+    from vllm_retrieval_spec import plugin
+
+    owners = []
+    for path in dict.fromkeys([*plugin._WRAPPED_SIGNATURES, *PATCHED_BESIDES_INVENTORY]):
+        module_name, owner_name, name = path.rsplit(".", 2)
+        try:  # a function of a module
+            owner = importlib.import_module(f"{module_name}.{owner_name}")
+        except ImportError:  # a method of a class
+            owner = getattr(importlib.import_module(module_name), owner_name)
+        owners.append((owner, name))
+    return owners
+
+
+@contextlib.contextmanager
+def vllm_patches_undone() -> Iterator[None]:
+    """On leaving the block, everything ``plugin.register()`` may have patched on vLLM is as it
+    was on entering it, and so are the plugin's ``_registered`` flag and its warned-once
+    environment variable. Attributes are read from the class's or module's ``__dict__``, so a
+    classmethod goes back as the descriptor it was, and one that was absent is deleted."""
+    from vllm_retrieval_spec import plugin
+
+    saved = [(owner, name, vars(owner).get(name, _ABSENT))
+             for owner, name in patched_by_register()]
+    registered = plugin._registered
+    warned = os.environ.get(plugin._WARNED_ENV)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            if value is not _ABSENT:
+                setattr(owner, name, value)
+            elif name in vars(owner):
+                delattr(owner, name)
+        plugin._registered = registered
+        if warned is None:
+            os.environ.pop(plugin._WARNED_ENV, None)
+        else:
+            os.environ[plugin._WARNED_ENV] = warned

