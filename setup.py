@@ -1,18 +1,13 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="vllm-retrieval-spec",
     version="0.1.0",
     description="Retrieval-based speculative decoding (REST, PLD+, DReSD) as a vLLM plugin",
     python_requires=">=3.10",
-    packages=[
-        "vllm_retrieval_spec",
-        "vllm_retrieval_spec.datastore",
-        "vllm_retrieval_spec.drafting",
-        "vllm_retrieval_spec.proposers",
-        "vllm_retrieval_spec.kernels",
-        "vllm_retrieval_spec.bench",
-    ],
+    # Every package under vllm_retrieval_spec/, and the kernels, which live in kernels/.
+    packages=[*find_packages(include=["vllm_retrieval_spec", "vllm_retrieval_spec.*"]),
+              "vllm_retrieval_spec.kernels"],
     # benchmarks/ (replay, sweeps, kernel timing) is lab tooling, run from the repository root;
     # it is not installed.
     package_dir={"vllm_retrieval_spec.kernels": "kernels"},
