@@ -84,7 +84,7 @@ def fit_in_this_process(states_file: Path, dims: int, fit_samples: int,
                         chunk_bytes: int) -> dict[str, Any]:
     import torch
 
-    from vllm_retrieval_spec.datastore.dense import fit_projection
+    from vllm_retrieval_spec.datastore.projection import fit_projection
 
     states = np.load(states_file, mmap_mode="r")
     before = memory_status()
@@ -110,7 +110,7 @@ def fit_in_this_process(states_file: Path, dims: int, fit_samples: int,
 
 def measure(num_states: int, hidden_size: int, dims: int, fit_samples: int, chunk_bytes: int,
             tmp_dir: Path) -> dict[str, Any]:
-    from vllm_retrieval_spec.datastore.dense import chunk_rows
+    from vllm_retrieval_spec.datastore.projection import chunk_rows
 
     size = num_states * hidden_size * 4
     free = shutil.disk_usage(tmp_dir).free
@@ -147,14 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", type=int, default=64)
     parser.add_argument("--fit-samples", type=int, default=1_000_000)
     parser.add_argument("--chunk-bytes", type=int, default=None,
-                        help="default: the fit's own (dense.CHUNK_BYTES)")
+                        help="default: the fit's own (projection.CHUNK_BYTES)")
     parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--run-name", default="pca-fit-memory")
     parser.add_argument("--output-dir", default="benchmarks/results")
     parser.add_argument("--fit-in-this-process", type=Path, default=None,
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from vllm_retrieval_spec.datastore.dense import CHUNK_BYTES
+    from vllm_retrieval_spec.datastore.projection import CHUNK_BYTES
 
     chunk_bytes = args.chunk_bytes or CHUNK_BYTES
     if args.fit_in_this_process is not None:

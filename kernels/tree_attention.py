@@ -23,7 +23,7 @@ the root, the last context token), the form the drafters emit, so the mask needs
 
 The torch reference serves CPU and is the test oracle; vLLM-CPU's tree rows take
 ``tree_attention_torch``, the same result from the paged cache's blocks without copying them
-(``tree_verification.py``). Triton is imported on first use, as in ``projection.py``; with
+(``verification/``). Triton is imported on first use, as in ``projection.py``; with
 ``TRITON_INTERPRET=1`` set before Triton's first import, the public functions run the kernels
 on CPU tensors too (tests/test_tree_attention.py).
 """
@@ -151,7 +151,7 @@ def tree_attention_torch(q: torch.Tensor, key_blocks: torch.Tensor, value_blocks
                          key_tail: torch.Tensor, value_tail: torch.Tensor, k_tree: torch.Tensor,
                          v_tree: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """:func:`tree_attention_reference`'s result, fast on CPU: the path vLLM-CPU's tree rows
-    take every layer of every step (``tree_verification``).
+    take every layer of every step (``verification``).
 
     The context comes as the paged KV cache holds it: its whole blocks, ``key_blocks``
     ``[blocks, num_kv_heads, head_dim, block_size]`` and ``value_blocks`` ``[blocks,

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 VOCAB = 100
 
 
-def vllm_config(options: dict, max_model_len: int = 64):
+def vllm_config(options: dict, max_model_len: int = 64, hidden_size: int = 16):
     """What a proposer reads of vLLM's config, for the method ``options`` describe."""
     from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
 
@@ -41,10 +41,21 @@ def vllm_config(options: dict, max_model_len: int = 64):
     config = parse_speculative_config({"pad_drafts": False, **options}, VLLM_CPU_DEFAULTS)
     return SimpleNamespace(
         additional_config={PLUGIN_KEY: config.to_dict()},
-        speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=config.drafting.num_speculative_tokens),
         model_config=SimpleNamespace(max_model_len=max_model_len,
-                                     get_vocab_size=lambda: VOCAB),
+                                     get_vocab_size=lambda: VOCAB,
+                                     get_hidden_size=lambda: hidden_size),
     )
+
+
+def proposer(options: dict, max_model_len: int = 64, method: Any = None,
+             hidden_size: int = 16) -> Any:
+    """vLLM's proposer for the method ``options`` describe (``method``: a drafter of the
+    test's own instead of the method's)."""
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+    return RetrievalProposer(vllm_config(options, max_model_len, hidden_size), method)
 
 
 def batch(*contexts, width=64):

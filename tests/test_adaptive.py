@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import batch, vllm_config
+import helpers
+from helpers import batch
+from vllm_retrieval_spec.contract import MethodDrafter
 from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, max_worthwhile_len
-from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
 
 @pytest.mark.parametrize("rate, expected", [
@@ -33,14 +34,14 @@ def test_tracker_follows_acceptance_per_request():
     assert set(tracker.rates) == {"b"}
 
 
-class ConstantProposer(RetrievalProposer):
-    def draft(self, context, max_len):
+class Constant(MethodDrafter):
+    def draft(self, row, context, max_len):
         return np.arange(1, max_len + 1, dtype=np.int32)
 
 
 def proposer(**options):
-    return ConstantProposer(vllm_config({"method": "pld", "num_speculative_tokens": 8,
-                                         **options}))
+    return helpers.proposer({"method": "pld", "num_speculative_tokens": 8, **options},
+                            method=Constant())
 
 
 def test_caps_shrink_for_a_request_whose_drafts_fail():
@@ -55,7 +56,7 @@ def test_caps_shrink_for_a_request_whose_drafts_fail():
     # Capped at min_draft_len (3): a lone draft token costs more than three on vLLM-CPU.
     assert len(drafts[0]) == 3 and len(drafts[1]) == 8
     p.observe_batch(["good"])  # "bad" finished: its state goes
-    assert set(p.last_draft_len) == {"good"} and set(p.acceptance.rates) == {"good"}
+    assert set(p.lengths.last_drafted) == {"good"} and set(p.lengths.acceptance.rates) == {"good"}
     p = proposer(min_draft_len=1)
     for _ in range(6):
         p.observe_batch(["bad"])
@@ -74,19 +75,19 @@ def test_without_request_ids_or_with_adaptation_off_drafts_are_not_capped():
         assert len(p.propose([[6]], lengths, tokens)[0]) == 8
 
 
-class OneTokenProposer(RetrievalProposer):
-    def draft(self, context, max_len):
+class OneToken(MethodDrafter):
+    def draft(self, row, context, max_len):
         return np.array([7], dtype=np.int32)
 
 
 def test_drafts_shorter_than_min_draft_len_are_dropped():
     tokens, lengths = batch([5, 6], width=16)
     config = {"method": "pld", "num_speculative_tokens": 8}
-    assert OneTokenProposer(vllm_config(config)).propose([[6]], lengths, tokens) == [[]]
-    one = OneTokenProposer(vllm_config({**config, "min_draft_len": 1}))
+    assert helpers.proposer(config, method=OneToken()).propose([[6]], lengths, tokens) == [[]]
+    one = helpers.proposer({**config, "min_draft_len": 1}, method=OneToken())
     assert one.propose([[6]], lengths, tokens) == [[7]]
     # k = 1 allows nothing longer: the minimum is capped by it.
-    k1 = OneTokenProposer(vllm_config({**config, "num_speculative_tokens": 1}))
+    k1 = helpers.proposer({**config, "num_speculative_tokens": 1}, method=OneToken())
     assert k1.propose([[6]], lengths, tokens) == [[7]]
 
 

@@ -18,7 +18,7 @@ def test_parses_and_round_trips():
     config = parse_speculative_config({**GOOD, "max-occurrences": 32, "min_prefix_prob": 0},
                                       VLLM_CPU_DEFAULTS)
     assert isinstance(config, RestConfig)
-    assert config.max_occurrences == 32 and config.min_prefix_prob == 0.0
+    assert config.match.max_occurrences == 32 and config.trie.min_prefix_prob == 0.0
     assert config_from_dict(config.to_dict()) == config
 
 
@@ -58,20 +58,23 @@ def test_platform_supplies_the_defaults_the_user_leaves_out(method):
         del options["datastore"]
     cpu = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
     gpu = parse_speculative_config(options, ACCELERATOR_DEFAULTS)
-    assert (cpu.min_draft_len, cpu.disable_by_batch_size, cpu.draft_token_cost) == (3, 6, 0.055)
-    assert (gpu.min_draft_len, gpu.disable_by_batch_size, gpu.draft_token_cost) == (1, 0, 0.01)
+    assert (cpu.drafting.min_draft_len, cpu.drafting.disable_by_batch_size,
+            cpu.drafting.draft_token_cost) == (3, 6, 0.055)
+    assert (gpu.drafting.min_draft_len, gpu.drafting.disable_by_batch_size,
+            gpu.drafting.draft_token_cost) == (1, 0, 0.01)
     if method == "pld_plus":
         assert (cpu.min_similarity, gpu.min_similarity) == (0.7, 0.0)
     # What the user sets wins, on every platform; the worker gets back exactly this config.
     mine = parse_speculative_config({**options, "min_draft_len": 2}, ACCELERATOR_DEFAULTS)
-    assert mine.min_draft_len == 2 and mine.disable_by_batch_size == 0
+    assert mine.drafting.min_draft_len == 2 and mine.drafting.disable_by_batch_size == 0
     assert config_from_dict(mine.to_dict()) == mine
 
 
 def test_hybrid_needs_a_datastore_only_without_a_served_store():
     hybrid = {"method": "hybrid", "num_speculative_tokens": 24}
     config = parse_speculative_config(hybrid, VLLM_CPU_DEFAULTS)
-    assert (config.datastore, config.served_store, config.served_prompts) == ("", "shared", True)
+    assert (config.store.datastore, config.served.served_store,
+            config.served.served_prompts) == ("", "shared", True)
     with pytest.raises(ConfigError, match=r"'datastore'\] is required for method 'hybrid'"):
         parse_speculative_config({**hybrid, "served_store": "off"}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError,
@@ -89,7 +92,8 @@ def test_hybrid_needs_a_datastore_only_without_a_served_store():
                                  VLLM_CPU_DEFAULTS)
     keyed = parse_speculative_config({**hybrid, "served_store": "per_request"},
                                      VLLM_CPU_DEFAULTS)
-    assert (keyed.served_store, keyed.served_max_keys, keyed.datastore) == ("per_request", 64, "")
+    assert (keyed.served.served_store, keyed.served.served_max_keys,
+            keyed.store.datastore) == ("per_request", 64, "")
     with pytest.raises(ConfigError, match=r"'dense'\]='on' needs a 'datastore'"):
         parse_speculative_config({**hybrid, "dense": "on"}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'served_max_tokens'\]=0 is out of range"):

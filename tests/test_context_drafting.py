@@ -7,8 +7,16 @@ import pytest
 
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.datastore import SuffixArrayDatastore, build_datastore_from_token_ids
-from vllm_retrieval_spec.proposers.hybrid import hybrid_draft, source_weights
-from vllm_retrieval_spec.proposers.pld import find_context_matches, pld_draft
+from vllm_retrieval_spec.proposers import pld
+from vllm_retrieval_spec.proposers.hybrid import hybrid_trie
+from vllm_retrieval_spec.sources.base import Vote
+from vllm_retrieval_spec.sources.context import find_context_matches
+
+
+def hybrid_draft(datastore, context, max_len, config, served=None):
+    """What hybrid drafts for ``context`` from its context, ``datastore`` and ``served`` store."""
+    trie = hybrid_trie(config, datastore, served=None if served is None else lambda row: served)
+    return trie.draft(0, context, max_len)
 
 
 def brute_force_context_matches(context, min_len, max_len, max_occurrences, width):
@@ -54,13 +62,14 @@ def test_pld_votes_recurring_continuations():
     # "1 2" (the longest recurring suffix) was followed by "3 4" twice and by "8" once; the
     # majority wins, then the tie between "0" and "6" goes to the most recent occurrence.
     context = np.array([5, 1, 2, 3, 4, 6, 1, 2, 8, 7, 1, 2, 3, 4, 0, 1, 2], dtype=np.int32)
-    assert pld_draft(context, 4, config).tolist() == [3, 4, 0, 1]
+    assert pld.make_drafter(config).draft(0, context, 4).tolist() == [3, 4, 0, 1]
 
 
-def test_source_weights():
-    np.testing.assert_allclose(source_weights(4, 3, 2.0, shared=False), [6, 6, 6, 6])
-    np.testing.assert_allclose(source_weights(4, 3, 1.0, shared=True), [0.75] * 4)
-    assert source_weights(0, 0, 1.0, shared=True).shape == (0,)
+def test_votes():
+    np.testing.assert_allclose(Vote(2.0, per_token=True).weights(4, 3), [6, 6, 6, 6])
+    np.testing.assert_allclose(Vote(1.0, per_token=True, shared=True).weights(4, 3), [0.75] * 4)
+    np.testing.assert_allclose(Vote().weights(3, 5), [1, 1, 1])
+    assert Vote(shared=True).weights(0, 0).shape == (0,)
 
 
 @pytest.fixture
@@ -112,7 +121,7 @@ def served_store(*documents):
 def test_hybrid_drafts_from_the_served_store_without_any_datastore():
     config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3},
                                       VLLM_CPU_DEFAULTS)
-    assert config.datastore == "" and config.served_store == "shared"
+    assert config.store.datastore == "" and config.served.served_store == "shared"
     context = np.array([1, 2, 5, 6], dtype=np.int32)
     assert hybrid_draft(None, context, 3, config).tolist() == []
     # An earlier request continued "5 6" with "8 8 8"; the context knows nothing of it.
@@ -125,7 +134,7 @@ def test_hybrid_drafts_from_one_token_matches_unless_told_not_to():
     context = np.array([3, 7, 8, 9, 1, 3], dtype=np.int32)
     defaults = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3},
                                         VLLM_CPU_DEFAULTS)
-    assert (defaults.context_min_match_len, defaults.min_match_len) == (1, 1)
+    assert (defaults.context.context_min_match_len, defaults.match.min_match_len) == (1, 1)
     assert hybrid_draft(None, context, 3, defaults).tolist() == [7, 8, 9]
     # So does a served request that continued "4" with "5 5 5", for a context that ends in 4.
     served = served_store([4, 5, 5, 5])

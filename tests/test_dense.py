@@ -20,15 +20,13 @@ from vllm_retrieval_spec.datastore.dense import (
     KEYS_FILE,
     DenseIndex,
     check_dense_index,
-    fit_projection,
-    model_config_json,
-    model_fingerprint,
-    resolve_model_dir,
     write_dense_index,
 )
 from vllm_retrieval_spec.datastore.format import load_datastore
+from vllm_retrieval_spec.datastore.projection import fit_projection
 from vllm_retrieval_spec.drafting.overlap import last_state_rows
-from vllm_retrieval_spec.proposers.dresd import dresd_draft, matching_continuations
+from vllm_retrieval_spec.model_files import model_config_json, model_fingerprint, resolve_model_dir
+from vllm_retrieval_spec.sources.dense import matching_continuations
 
 HIDDEN = 48
 FINGERPRINT = "f" * 64
@@ -415,23 +413,45 @@ def test_dresd_config_errors(options, message):
                                  VLLM_CPU_DEFAULTS)
 
 
-def make_proposer(proposer_class, config):
+def make_proposer(config):
     from types import SimpleNamespace
 
     from vllm_retrieval_spec.config import PLUGIN_KEY
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
-    k = config.num_speculative_tokens
-    return proposer_class(SimpleNamespace(
+    k = config.drafting.num_speculative_tokens
+    return RetrievalProposer(SimpleNamespace(
         additional_config={PLUGIN_KEY: config.to_dict()},
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000,
                                      get_hidden_size=lambda: HIDDEN)))
 
 
-def dresd_proposer(path, **options):
-    from vllm_retrieval_spec.proposers.dresd import DresdProposer
+def dresd_draft(index, neighbours, scores, emitted, max_len, config):
+    """DReSD's draft for a context ending in ``emitted`` from ``neighbours`` in ``index``."""
+    from vllm_retrieval_spec.drafting.tree import TrieSelection
+    from vllm_retrieval_spec.drafting.trie import TrieDrafter
+    from vllm_retrieval_spec.sources.dense import DenseSource
 
-    return make_proposer(DresdProposer, parse_speculative_config(
+    trie = TrieDrafter([DenseSource(index, lambda row: (neighbours, scores))],
+                       TrieSelection(config.trie, config.drafting.min_draft_len))
+    return trie.draft(0, np.array([emitted], dtype=np.int32), max_len)
+
+
+def hybrid_draft(store, context, max_len, config, index, query):
+    """Hybrid's draft from the context, ``store`` and ``index`` searched with ``query`` (an
+    array, a function returning one, or None)."""
+    from vllm_retrieval_spec.proposers.hybrid import hybrid_trie
+    from vllm_retrieval_spec.sources.dense import searched
+
+    def neighbours(row):
+        return searched(index, query() if callable(query) else query, config.search.top_n)
+
+    return hybrid_trie(config, store, index, dense_neighbours=neighbours).draft(0, context, max_len)
+
+
+def dresd_proposer(path, **options):
+    return make_proposer(parse_speculative_config(
         {"method": "dresd", "num_speculative_tokens": 4, "datastore": str(path), **options},
         VLLM_CPU_DEFAULTS))
 
@@ -440,12 +460,12 @@ def test_dresd_neither_projects_nor_searches_when_drafting_is_off(clustered_stor
     path, states = clustered_store
     proposer = dresd_proposer(path, min_prefix_prob=0.0, disable_by_batch_size=2)
     calls = []
-    projection, search = proposer.index.projection, proposer.index.search
-    monkeypatch.setattr(proposer.index, "projection",
+    projection, search = proposer.method.index.projection, proposer.method.index.search
+    monkeypatch.setattr(proposer.method.index, "projection",
                         lambda s: calls.append("project") or projection(s))
-    monkeypatch.setattr(proposer.index, "search",
+    monkeypatch.setattr(proposer.method.index, "search",
                         lambda q, n: calls.append("search") or search(q, n))
-    token_ids = np.asarray(proposer.index.tokens[:16].reshape(1, 16).repeat(2, 0))
+    token_ids = np.asarray(proposer.method.index.tokens[:16].reshape(1, 16).repeat(2, 0))
     # Two requests sampled: at the cut-off, so no drafts, and no work for them either.
     proposer.record_last_hidden_states(torch.from_numpy(states[:2]), [0, 1])
     assert proposer.propose([[1], [1]], np.array([16, 16]), token_ids) == [[], []]
@@ -459,7 +479,7 @@ def test_dresd_neither_projects_nor_searches_when_drafting_is_off(clustered_stor
 def test_dresd_proposer_drafts_each_row_from_its_own_state(clustered_store):
     path, states = clustered_store
     proposer = dresd_proposer(path, min_prefix_prob=0.0)
-    index = proposer.index
+    index = proposer.method.index
     tokens = index.tokens
     # Rows 0 and 2 continue the store at positions 100 and 4000 (their last token is the one
     # their state predicted); row 1 is a partial prefill.
@@ -491,7 +511,7 @@ def test_dresd_search_ahead_drafts_what_searching_after_sampling_drafts(clustere
     options = {"min_prefix_prob": 0.0, "tree": tree, "tree_min_prob": 0.05, "draft_budget_ms": 0}
     after = dresd_proposer(path, **options, precompute_drafts=False)
     ahead = dresd_proposer(path, **options, precompute_drafts=True)
-    tokens = after.index.tokens
+    tokens = after.method.index.tokens
     # A step's candidate states: request 0 verified 3 draft tokens (4 rows), request 1 none.
     candidates = torch.from_numpy(np.stack([states[7], states[100], states[8], states[9],
                                             states[4000]]))
@@ -502,7 +522,7 @@ def test_dresd_search_ahead_drafts_what_searching_after_sampling_drafts(clustere
     rows = [1, 4]  # request 0 accepted 1 draft token: its last state is row 1
     ahead.search_ahead(candidates)
     calls = []
-    monkeypatch.setattr(ahead.index, "projection", lambda s: calls.append("project"))
+    monkeypatch.setattr(ahead.method.index, "projection", lambda s: calls.append("project"))
     ahead.record_last_hidden_states(candidates, rows)
     drafted_ahead = ahead.propose([[5, 6], [7]], np.array([12, 12]), token_ids)
     after.record_last_hidden_states(candidates, rows)
@@ -518,7 +538,7 @@ def test_dresd_search_ahead_drafts_what_searching_after_sampling_drafts(clustere
     assert ahead.propose([[5, 6], [7]], np.array([12, 12]), token_ids) == drafted_after
     # Off without precompute_drafts.
     after.search_ahead(candidates)
-    assert after.ahead is None
+    assert after.method.searches.ahead is None
 
 
 def _decode_with_states(proposer, truth, at, states, before_sampling):
@@ -550,7 +570,7 @@ def _decode_with_states(proposer, truth, at, states, before_sampling):
         proposer.record_last_hidden_states(candidates, [len(sampled) - 1])
         draft = proposer.propose([sampled], np.array([position]),
                                  truth[None, :position].astype(np.int32))[0]
-        proposer.precompute_next()  # as the plugin does once the drafts are handed over
+        proposer.after_handover()  # as the plugin does once the drafts are handed over
         drafts.append(draft)
         accepted = 0
         while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
@@ -567,7 +587,6 @@ def test_dense_drafts_made_before_sampling_equal_drafting_after_it(clustered_sto
     """Step after step, a greedy request's draft made before vLLM samples (from the state
     that predicted its last sampled token, known from the logits) is the draft made after
     sampling, and after sampling nothing is searched again."""
-    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
 
     path, states = clustered_store
     tokens = np.asarray(DenseIndex.from_path(path).tokens)
@@ -579,9 +598,9 @@ def test_dense_drafts_made_before_sampling_equal_drafting_after_it(clustered_sto
         options = {"draft_budget_ms": 0, "precompute_drafts": precompute,
                    "draft_before_sampling": before_sampling}
         proposer = dresd_proposer(path, min_prefix_prob=0.0, **options) if method == "dresd" \
-            else make_proposer(HybridProposer, hybrid_config(path, **options))
-        assert proposer.drafts_from_logits == before_sampling
-        index = proposer.index if method == "dresd" else proposer.dense
+            else make_proposer(hybrid_config(path, **options))
+        assert proposer.capabilities.drafts_before_sampling == before_sampling
+        index = proposer.method.index if method == "dresd" else proposer.method.dense
         searches = []
         search = index.search
         monkeypatch.setattr(index, "search", lambda q, n: searches.append(len(q)) or search(q, n))
@@ -589,7 +608,7 @@ def test_dense_drafts_made_before_sampling_equal_drafting_after_it(clustered_sto
         runs[before_sampling] = drafts
         assert proposer.num_failed_drafts == 0
         if before_sampling:
-            assert proposer.precomputed == {"used": len(drafts)}
+            assert proposer.ahead.precomputed == {"used": len(drafts)}
         if method == "dresd":
             # One search a step: ahead, all candidate states at once; else the last state's.
             assert len(searches) == len(drafts)
@@ -603,15 +622,15 @@ def test_dense_drafts_made_before_sampling_equal_drafting_after_it(clustered_sto
 def test_dresd_search_over_budget_costs_the_draft(clustered_store, monkeypatch):
     path, states = clustered_store
     proposer = dresd_proposer(path, draft_budget_ms=10.0)
-    search = proposer.index.search
+    search = proposer.method.index.search
 
     def slow_search(queries, top_n):
         time.sleep(0.05)
         return search(queries, top_n)
 
-    monkeypatch.setattr(proposer.index, "search", slow_search)
+    monkeypatch.setattr(proposer.method.index, "search", slow_search)
     proposer.record_last_hidden_states(torch.from_numpy(states[:2]), [0, 1])
-    token_ids = np.asarray(proposer.index.tokens[:16].reshape(1, 16).repeat(2, 0))
+    token_ids = np.asarray(proposer.method.index.tokens[:16].reshape(1, 16).repeat(2, 0))
     assert proposer.propose([[1], [1]], np.array([16, 16]), token_ids) == [[], []]
     assert proposer.stats()["failed_over_budget"] == 2
 
@@ -644,7 +663,6 @@ def small_dense_store(tmp_path):
 
 def test_hybrid_weighs_dense_neighbours_against_the_context(small_dense_store):
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
-    from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
 
     path, index = small_dense_store
     store = SuffixArrayDatastore.from_path(path)
@@ -669,7 +687,6 @@ def test_hybrid_weighs_dense_neighbours_against_the_context(small_dense_store):
 
 def test_hybrid_skips_the_dense_search_after_a_long_context_match(small_dense_store):
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
-    from vllm_retrieval_spec.proposers.hybrid import hybrid_draft
 
     path, index = small_dense_store
     store = SuffixArrayDatastore.from_path(path)
@@ -713,7 +730,6 @@ def test_hybrid_dense_modes(tmp_path):
 def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store, monkeypatch):
     from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
     from vllm_retrieval_spec.proposers import hybrid
-    from vllm_retrieval_spec.proposers.hybrid import HybridProposer, hybrid_draft
 
     projected = []
 
@@ -728,11 +744,11 @@ def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store, mo
     # Only the dense source votes: the contexts are the store's own text, so its suffix array
     # (and the context) would draft the same continuations whatever the state.
     # No time budget: a slow first projection on a busy machine must not drop the drafts.
-    proposer = make_proposer(HybridProposer, hybrid_config(
+    proposer = make_proposer(hybrid_config(
         path, num_speculative_tokens=4, context_weight=0.0, min_match_len=16,
         draft_budget_ms=0))
     projected.clear()  # the proposer's warm-up
-    index, store = proposer.dense, SuffixArrayDatastore.from_path(path)
+    index, store = proposer.method.dense, SuffixArrayDatastore.from_path(path)
     tokens = index.tokens
     contexts = [tokens[90:102], tokens[:5], tokens[3990:4002]]
     token_ids = np.zeros((3, 16), dtype=np.int32)
@@ -760,13 +776,12 @@ def test_hybrid_proposer_queries_each_row_with_its_own_state(clustered_store, mo
 
 
 def test_hybrid_proposer_survives_states_it_cannot_project(clustered_store):
-    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
 
     path, _ = clustered_store
     # No time budget: logging the first failure's traceback is slow.
-    proposer = make_proposer(HybridProposer, hybrid_config(path, num_speculative_tokens=4,
+    proposer = make_proposer(hybrid_config(path, num_speculative_tokens=4,
                                                            draft_budget_ms=0))
-    tokens = proposer.dense.tokens
+    tokens = proposer.method.dense.tokens
     token_ids = np.zeros((2, 16), dtype=np.int32)
     token_ids[0, :12] = tokens[90:102]
     token_ids[1, :12] = tokens[3990:4002]
@@ -775,4 +790,4 @@ def test_hybrid_proposer_survives_states_it_cannot_project(clustered_store):
     drafts = proposer.propose([[5], [6]], np.array([12, 12]), token_ids)
     assert drafts[0] == tokens[102:106].tolist() and drafts[1] == tokens[4002:4006].tolist()
     # One failure for the step, not one per row.
-    assert proposer.failures == {"exception": 1}
+    assert proposer.failures.counts == {"exception": 1}

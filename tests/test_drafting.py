@@ -157,18 +157,15 @@ def test_a_tree_holds_the_chain_and_no_node_twice(seed):
     assert len(tokens) <= 10
 
 
-def test_select_draft_obeys_the_tree_option():
-    from vllm_retrieval_spec.config import RestConfig
-    from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
+def test_selection_obeys_the_tree_option():
+    from vllm_retrieval_spec.config import TrieOptions
+    from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
 
     cands, lengths = _pack([[1, 2, 3], [1, 5, 6], [1, 2, 3]])
-    base = dict(num_speculative_tokens=8, datastore="x", draft_budget_ms=1.0,
-                draft_token_cost=0.05, disable_by_batch_size=0, min_draft_len=1,
-                prior_weight=0.0, min_prefix_prob=0.5, tree_min_prob=0.3,
-                precompute_drafts=False, draft_before_sampling=False)
-    chain = select_draft(cands, lengths, np.ones(3), 8, RestConfig(**base))
+    base = dict(prior_weight=0.0, min_prefix_prob=0.5, tree_min_prob=0.3)
+    chain = TrieSelection(TrieOptions(**base), 1).select(cands, lengths, np.ones(3), 8)
     assert chain.tolist() == [1, 2, 3]
-    tree = select_draft(cands, lengths, np.ones(3), 8, RestConfig(**base, tree="on"))
+    tree = TrieSelection(TrieOptions(**base, tree="on"), 1).select(cands, lengths, np.ones(3), 8)
     assert isinstance(tree, TreeDraft)
     assert tree.tokens.tolist() == [1, 2, 3, 5, 6] and tree.parents.tolist() == [-1, 0, 1, 0, 3]
     assert tree.chain().tolist() == [1, 2, 3]
@@ -176,7 +173,7 @@ def test_select_draft_obeys_the_tree_option():
 
 def test_best_tree_keeps_every_path_within_max_depth():
     from vllm_retrieval_spec.drafting.tree import best_tree
-    from vllm_retrieval_spec.tree_verification import tree_depths
+    from vllm_retrieval_spec.verification.core import tree_depths
 
     rows = [[1, 2, 3, 4], [1, 2, 3, 9], [1, 5, 7, 7], [8, 8, 8, 8]]
     cands, lengths = _pack(rows)

@@ -149,7 +149,8 @@ def test_pld_plus_states_equal_a_transformers_forward(spec_llm, model_dir, code_
     output = generate_ids(spec_llm, [prompt], greedy())[0]
     # The finished request's states stay cached until the next step drops them.
     (cached,) = spec_llm.collective_rpc(
-        lambda worker: [c.view().copy() for c in worker.model_runner.drafter.caches.values()])
+        lambda worker: [c.view().copy()
+                        for c in worker.model_runner.drafter.method.caches.values()])
     assert len(cached) == 1
     states = cached[0]
     sequence = prompt + output[:-1]  # the last token was never fed to the model

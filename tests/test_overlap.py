@@ -11,14 +11,12 @@ from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 from vllm_retrieval_spec.datastore.suffix_array import build_suffix_array, suffix_followers
 from vllm_retrieval_spec.drafting.overlap import (
     NextDrafts,
-    context_followers,
     greedy_sampled,
     precompute_plan,
     rank_followers,
 )
-from vllm_retrieval_spec.proposers.hybrid import HybridProposer
-from vllm_retrieval_spec.proposers.pld import PldProposer
-from vllm_retrieval_spec.proposers.rest import RestProposer
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+from vllm_retrieval_spec.sources.context import context_followers
 
 WIDTH = 96
 # Repeats with variations, so that tokens have several followers and drafts several lengths.
@@ -89,16 +87,16 @@ def _proposer(kind: str, datastore: str, precompute: bool):
     options = {"num_speculative_tokens": 6, "precompute_drafts": precompute,
                "min_prefix_prob": 0.0, "min_draft_len": 1, "draft_budget_ms": 0}
     if kind == "pld":
-        return PldProposer(vllm_config({"method": "pld", **options}, WIDTH))
+        return RetrievalProposer(vllm_config({"method": "pld", **options}, WIDTH))
     if kind == "rest":
-        return RestProposer(vllm_config({"method": "rest", "datastore": datastore, **options},
+        return RetrievalProposer(vllm_config({"method": "rest", "datastore": datastore, **options},
                                         WIDTH))
     extra = {"tree": "on", "tree_min_prob": 0.05} if kind == "hybrid/tree" else {}
-    proposer = HybridProposer(vllm_config({"method": "hybrid", "datastore": datastore,
+    proposer = RetrievalProposer(vllm_config({"method": "hybrid", "datastore": datastore,
                                            **extra, **options}, WIDTH))
     for i, document in enumerate(DOCUMENTS):
-        proposer.served.add(f"served-{i}", np.asarray(document[::-1], dtype=np.int32))
-    assert proposer.served.wait_indexed()
+        proposer.method.learning.shared.add(f"served-{i}", np.asarray(document[::-1], dtype=np.int32))
+    assert proposer.method.learning.shared.wait_indexed()
     return proposer
 
 
@@ -107,7 +105,7 @@ def _two_steps(proposer, first: list[int], second: list[int], sampled: list[int]
     proposer.observe_batch(["r"], [True])
     tokens, lengths = batch(first, width=WIDTH)
     drafted = proposer.propose([[first[-1]]], lengths, tokens)[0]
-    proposer.precompute_next()
+    proposer.after_handover()
     proposer.observe_batch(["r"], [True])
     tokens, lengths = batch(second, width=WIDTH)
     return drafted, proposer.propose([sampled], lengths, tokens)[0]
@@ -136,8 +134,8 @@ def test_precomputed_drafts_equal_drafting_after_sampling(kind, datastore):
             assert proposer.trees.keys() == reference.trees.keys()
             for req_id, tree in proposer.trees.items():
                 assert tree.parents.tolist() == reference.trees[req_id].parents.tolist()
-            used += proposer.precomputed["used"]
-            missed += proposer.precomputed["missed"]
+            used += proposer.ahead.precomputed["used"]
+            missed += proposer.ahead.precomputed["missed"]
     assert used + missed == (len(draft) + 1) * VOCAB - len(draft)
     if kind == "pld":
         # The context is the only source, and every follower fits the budget: nothing missed.
@@ -165,7 +163,7 @@ def test_a_request_drafts_alike_with_and_without_precomputed_drafts(kind, datast
             proposer.observe_batch(["r"], [False])
             tokens, lengths = batch(truth[:position], width=WIDTH)
             draft = proposer.propose([sampled], lengths, tokens)[0]
-            proposer.precompute_next()
+            proposer.after_handover()
             drafts.append(draft)
             accepted = 0
             while accepted < len(draft) and position + accepted < len(truth) \
@@ -173,10 +171,10 @@ def test_a_request_drafts_alike_with_and_without_precomputed_drafts(kind, datast
                 accepted += 1
             sampled = truth[position:position + accepted + 1]
             position += accepted + 1
-        runs.append((drafts, dict(proposer.acceptance.rates) if proposer.acceptance else None))
+        runs.append((drafts, dict(proposer.lengths.acceptance.rates) if proposer.lengths.acceptance else None))
         getattr(proposer, "close", lambda: None)()
         if precompute:
-            assert proposer.precomputed["used"] > len(drafts) // 2
+            assert proposer.ahead.precomputed["used"] > len(drafts) // 2
     assert runs[0] == runs[1]
 
 
@@ -221,7 +219,7 @@ def _decode_drafting_before_sampling(proposer, truth: list[int], start: int, wro
                                            before)
         tokens, lengths = batch(truth[:position], width=WIDTH)
         draft = proposer.propose([sampled], lengths, tokens)[0]
-        proposer.precompute_next()  # as the plugin does once the drafts are handed over
+        proposer.after_handover()  # as the plugin does once the drafts are handed over
         drafts.append(draft)
         accepted = 0
         while accepted < len(draft) and draft[accepted] == truth[position + accepted]:
@@ -241,11 +239,11 @@ def test_drafts_made_before_sampling_equal_drafting_after_it(kind, datastore):
     runs = {}
     for wrong_every in (0, 1000, 3):
         proposer = _proposer(kind, datastore, precompute=False)
-        assert proposer.drafts_from_logits
+        assert proposer.capabilities.drafts_before_sampling
         drafts = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every)
         proposer.stats()  # applies the last step's deferred acceptance update
-        rates = proposer.acceptance and dict(proposer.acceptance.rates)
-        runs[wrong_every] = (drafts, rates, dict(proposer.precomputed))
+        rates = proposer.lengths.acceptance and dict(proposer.lengths.acceptance.rates)
+        runs[wrong_every] = (drafts, rates, dict(proposer.ahead.precomputed))
         getattr(proposer, "close", lambda: None)()
     drafts, rates, counts = runs[0]
     assert sum(map(len, drafts)) > 10, "the text must draft for this test to mean anything"
@@ -265,16 +263,16 @@ def test_served_store_learns_alike_when_drafting_before_sampling(datastore):
     truth[40:44] = [12, 13, 9, 9]
     runs = {}
     for wrong_every in (0, 1000):
-        proposer = HybridProposer(vllm_config(
+        proposer = RetrievalProposer(vllm_config(
             {"method": "hybrid", "num_speculative_tokens": 6, "min_prefix_prob": 0.0,
              "min_draft_len": 1, "draft_budget_ms": 0}, WIDTH))
         first = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every, "r1")
         proposer.observe_batch([])  # r1 has finished
-        assert proposer.served.wait_indexed()
-        stored = [d.tolist() for d in proposer.served.documents()]
+        assert proposer.method.learning.shared.wait_indexed()
+        stored = [d.tolist() for d in proposer.method.learning.shared.documents()]
         second = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every, "r2")
         proposer.stats()
-        runs[wrong_every] = (first, stored, second, dict(proposer.precomputed))
+        runs[wrong_every] = (first, stored, second, dict(proposer.ahead.precomputed))
         proposer.close()
     assert runs[1000][:3] == runs[0][:3]
     # r1's prompt and every token it had when it last drafted, as the store keeps them.

@@ -10,7 +10,8 @@ import torch
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.proposers.hidden_states import HiddenStateCache, unit_rows
-from vllm_retrieval_spec.proposers.pld import PldPlusProposer, pld_plus_draft, rank_occurrences
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+from vllm_retrieval_spec.proposers.pld_plus import pld_plus_draft, rank_occurrences
 
 H = 4
 
@@ -82,7 +83,7 @@ def make_proposer():
         model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100,
                                      get_hidden_size=lambda: H),
     )
-    return PldPlusProposer(vllm_config)
+    return RetrievalProposer(vllm_config)
 
 
 def one_hot(rows):
@@ -100,7 +101,7 @@ def record(proposer, req_ids, states, segments):
 
 def test_states_follow_requests_across_reordering_and_leaving():
     proposer = make_proposer()
-    assert proposer.aux_hidden_state_layers == (2,)
+    assert proposer.capabilities.aux_hidden_state_layers == (2,)
     # Step 1: request a prefills 3 tokens, b prefills 2 (rows a, b).
     record(proposer, ["a", "b"], [one_hot([0, 1, 2, 3, 3])],
                                   [(0, 0, 3), (0, 3, 2)])
@@ -108,8 +109,8 @@ def test_states_follow_requests_across_reordering_and_leaving():
     # rejected (2 states kept).
     record(proposer, ["b", "a"], [one_hot([1, 0, 0, 3])],
                                   [(2, 0, 1), (3, 1, 2)])
-    np.testing.assert_array_equal(proposer.caches["a"].view().argmax(1), [0, 1, 2, 0, 0])
-    np.testing.assert_array_equal(proposer.caches["b"].view().argmax(1), [3, 3, 1])
+    np.testing.assert_array_equal(proposer.method.caches["a"].view().argmax(1), [0, 1, 2, 0, 0])
+    np.testing.assert_array_equal(proposer.method.caches["b"].view().argmax(1), [3, 3, 1])
     # Drafting for row 1 (= request a) uses a's states: context "4 7 4 5 9 4"...
     tokens = np.zeros((2, 64), dtype=np.int32)
     tokens[1, :6] = [4, 7, 4, 5, 9, 4]
@@ -117,7 +118,7 @@ def test_states_follow_requests_across_reordering_and_leaving():
     assert drafts[1] == [5, 9, 4]
     # Step 3: a has finished; only b is in the batch, so a's states are freed.
     record(proposer, ["b"], [one_hot([2])], [(3, 0, 1)])
-    assert set(proposer.caches) == {"b"}
+    assert set(proposer.method.caches) == {"b"}
 
 
 def test_no_draft_without_complete_states():
@@ -132,7 +133,7 @@ def test_a_recording_failure_costs_drafts_not_the_engine():
     proposer = make_proposer()
     record(proposer, ["a"], [one_hot([0, 1])], [(0, 0, 2)])
     record(proposer, ["a"], ["not a tensor"], [(2, 0, 1)])
-    assert proposer.num_failed_drafts == 1 and proposer.caches == {}
+    assert proposer.num_failed_drafts == 1 and proposer.method.caches == {}
     tokens = np.zeros((1, 64), dtype=np.int32)
     tokens[0, :4] = [4, 7, 4, 4]
     assert proposer.propose([[4]], np.array([4], np.int32), tokens) == [[]]

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.e2e  # imports vLLM (about 12 s), starts no engine
 vllm = pytest.importorskip("vllm")
 
 from vllm_retrieval_spec import plugin  # noqa: E402
+from vllm_retrieval_spec.patches import vllm_cpu  # noqa: E402
 
 
 def test_accepts_the_installed_vllm_also_once_patched(undo_register):
@@ -128,7 +129,7 @@ def test_expand_batch_to_tokens_replacement():
     import torch
 
     original = pytest.importorskip("vllm.v1.sample.rejection_sampler").expand_batch_to_tokens
-    expand = plugin._expand_batch_to_tokens(original)
+    expand = vllm_cpu.expand_batch_to_tokens(original)
     cu = torch.tensor([3, 5, 9], dtype=torch.int32)
     temperature = expand(torch.tensor([-1.0, 0.8, 0.5]), cu, 9, replace_from=-1, replace_to=1)
     assert temperature.tolist() == pytest.approx([1, 1, 1, 0.8, 0.8, 0.5, 0.5, 0.5, 0.5])
@@ -141,7 +142,7 @@ def test_top_k_of_a_step_without_draft_tokens():
     import torch
 
     original = pytest.importorskip("vllm.v1.sample.rejection_sampler").apply_top_k_top_p
-    apply = plugin._without_empty_batches(original)
+    apply = vllm_cpu.without_empty_batches(original)
     empty = torch.empty(0, 8)
     assert apply(empty, torch.empty(0, dtype=torch.int64), None) is empty
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
@@ -151,29 +152,32 @@ def test_top_k_of_a_step_without_draft_tokens():
 
 def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
     """Each row's ``extra_args["served_store_key"]`` (any value, as its str; None: no key)."""
-    seen = []
+    from unittest import mock
 
-    class Keyed:
-        served_keys_wanted = True
-        config = SimpleNamespace(tree="off")
-
-        def observe_batch(self, *args):
-            seen.append(args)
-
-    class Plain(Keyed):
-        served_keys_wanted = False
+    from vllm_retrieval_spec.contract import Capabilities, Drafter
+    from vllm_retrieval_spec.patches.drafter import with_drafts_before_sampling
 
     requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(
                     extra_args={"served_store_key": "tenant-1"})),
                 "b": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=None)),
                 "c": SimpleNamespace(sampling_params=SimpleNamespace(
                     extra_args={"served_store_key": 7}))}
-    for drafter in (Keyed(), Plain()):
+    sample = with_drafts_before_sampling(lambda runner, logits, metadata: "sampled")
+    seen = []
+    for keys in (True, False):
+        drafter = mock.create_autospec(Drafter, instance=True)
+        drafter.capabilities = Capabilities(served_store_keys=keys)
+        drafter.observe_batch.side_effect = lambda *args: seen.append(args)
         runner = SimpleNamespace(drafter=drafter, requests=requests,
                                  input_batch=SimpleNamespace(req_ids=["a", "b", "c"]))
-        plugin._observe_batch(runner)
+        assert sample(runner, None, None) == "sampled"
+        drafter.draft_before_sampling.assert_not_called()
     assert seen == [(["a", "b", "c"], None, ["tenant-1", None, "7"]),
-                    (["a", "b", "c"], None)]
+                    (["a", "b", "c"], None, None)]
+    # vLLM's own drafters are left alone.
+    runner = SimpleNamespace(drafter=SimpleNamespace(), requests=requests,
+                             input_batch=SimpleNamespace(req_ids=["a"]))
+    assert sample(runner, None, None) == "sampled"
 
 
 def test_workers_start_after_numba_is_loaded_in_the_same_process(undo_register):

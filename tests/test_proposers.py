@@ -7,10 +7,11 @@ import time
 import numpy as np
 import pytest
 
+import helpers
 from helpers import VOCAB, batch, make_tokenizer, vllm_config
+from vllm_retrieval_spec.contract import MethodDrafter
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
-from vllm_retrieval_spec.proposers.rest import RestProposer
 
 @pytest.fixture
 def datastore(tmp_path) -> str:
@@ -24,7 +25,7 @@ def datastore(tmp_path) -> str:
 
 
 def rest(datastore, max_model_len=64, **options):
-    return RestProposer(vllm_config({"method": "rest", "num_speculative_tokens": 4,
+    return RetrievalProposer(vllm_config({"method": "rest", "num_speculative_tokens": 4,
                                      "datastore": datastore, "min_prefix_prob": 0.0,
                                      "prior_weight": 0.0, **options}, max_model_len))
 
@@ -54,13 +55,14 @@ def test_no_draft_for_partial_prefill_or_at_max_model_len(datastore):
     assert proposer.propose([[3]], lengths, tokens) == [[4]]
 
 
-class ScriptedProposer(RetrievalProposer):
-    def __init__(self, config, outcomes):
-        super().__init__(config)
+class Scripted(MethodDrafter):
+    def __init__(self, outcomes):
         self.outcomes = list(outcomes)
 
-    def draft(self, context, max_len):
+    def draft(self, row, context, max_len):
         outcome = self.outcomes.pop(0)
+        if callable(outcome):
+            return outcome()
         if isinstance(outcome, Exception):
             raise outcome
         return np.asarray(outcome, dtype=np.int32)
@@ -68,10 +70,11 @@ class ScriptedProposer(RetrievalProposer):
 
 def test_a_failing_draft_costs_one_request_one_step(datastore, caplog):
     # Six rows: keep drafting on at that batch size.
-    config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
-                          "disable_by_batch_size": 0})
-    proposer = ScriptedProposer(config, [RuntimeError("boom"), [1, 2, 3, 4], [5, VOCAB],
-                                         [-1], [7, 8, 9], RuntimeError("again")])
+    proposer = helpers.proposer(
+        {"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
+         "disable_by_batch_size": 0},
+        method=Scripted([RuntimeError("boom"), [1, 2, 3, 4], [5, VOCAB], [-1], [7, 8, 9],
+                         RuntimeError("again")]))
     tokens, lengths = batch(*[[1, 2]] * 6)
     drafts = proposer.propose([[2]] * 6, lengths, tokens)
     assert drafts == [[], [], [], [], [7, 8, 9], []]
@@ -110,10 +113,9 @@ def test_rest_drafts_trees_for_the_rows_vllm_verifies_as_trees(datastore):
 def test_a_tree_with_parents_out_of_order_costs_its_draft(datastore, caplog):
     from vllm_retrieval_spec.drafting.tree import TreeDraft
 
-    config = vllm_config({"method": "rest", "num_speculative_tokens": 4, "datastore": datastore})
-    proposer = ScriptedProposer(config, [])
-    proposer.draft = lambda context, max_len: TreeDraft(np.array([1, 2, 3]), np.array([-1, 2, 0]),
-                                                        1, 0.5)
+    proposer = helpers.proposer(
+        {"method": "rest", "num_speculative_tokens": 4, "datastore": datastore},
+        method=Scripted([lambda: TreeDraft(np.array([1, 2, 3]), np.array([-1, 2, 0]), 1, 0.5)]))
     proposer.observe_batch(["a"], [True])
     tokens, lengths = batch([1, 2])
     assert proposer.propose([[2]], lengths, tokens) == [[]]
@@ -121,16 +123,16 @@ def test_a_tree_with_parents_out_of_order_costs_its_draft(datastore, caplog):
     assert "not in topological order" in caplog.text
 
 
-class SlowProposer(RetrievalProposer):
-    def draft(self, context, max_len):
+class Slow(MethodDrafter):
+    def draft(self, row, context, max_len):
         time.sleep(0.02 if context[-1] == 9 else 0)
         return np.asarray([1], dtype=np.int32)
 
 
 def test_a_draft_over_its_time_budget_is_dropped(datastore, caplog):
-    config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
-                          "draft_budget_ms": 10.0, "min_draft_len": 1})
-    proposer = SlowProposer(config)
+    proposer = helpers.proposer(
+        {"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
+         "draft_budget_ms": 10.0, "min_draft_len": 1}, method=Slow())
     tokens, lengths = batch([1, 9], [1, 2], [1, 9])
     assert proposer.propose([[9], [2], [9]], lengths, tokens) == [[], [1], []]
     assert proposer.stats() == {"failed_over_budget": 2}
@@ -153,7 +155,7 @@ def test_prometheus_series_count_lookups_and_forwards(datastore):
     proposer.propose([[5, 6, 3], [43], []], lengths, tokens)
     # Published once the drafts are handed over, off the critical path.
     assert {name: value(name) for name in names} == before
-    proposer.precompute_next()
+    proposer.after_handover()
     after = {name: value(name) for name in names}
     assert {name: after[name] - before[name] for name in names} == {
         "lookups_total": 2, "empty_lookups_total": 1, "target_forwards_total": 2,
@@ -163,7 +165,7 @@ def test_prometheus_series_count_lookups_and_forwards(datastore):
 def test_injected_faults_cost_only_drafts(datastore):
     config = vllm_config({"method": "rest", "num_speculative_tokens": 4, "datastore": datastore,
                           "inject_faults": 1.0, "draft_budget_ms": 1.0})
-    proposer = RestProposer(config)
+    proposer = RetrievalProposer(config)
     tokens, lengths = batch([1, 2, 3])
     drafts = [proposer.propose([[3]], lengths, tokens) for _ in range(8)]
     assert drafts == [[[]]] * 8
@@ -175,7 +177,7 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
     """With no datastore at all: request "a" generates 10..19; once it has left the batch a
     new request that reaches "10 11" is drafted its continuation. With served_datastore the
     store is saved when the proposer closes, and a new proposer starts from it."""
-    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
     tokenizer = make_tokenizer()
     tokenizer.save_pretrained(tmp_path / "tokenizer")
@@ -184,7 +186,7 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
     config.model_config.tokenizer = str(tmp_path / "tokenizer")
     config.model_config.tokenizer_revision = None
     config.model_config.trust_remote_code = False
-    proposer = HybridProposer(config)
+    proposer = RetrievalProposer(config)
     try:
         output = list(range(10, 20))
         tokens, lengths = batch([1, 2, *output])
@@ -193,7 +195,7 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
         proposer.propose([output[1:]], lengths, tokens)  # the rest, as one step
         tokens, lengths = batch([7, 8, 10, 11])
         proposer.observe_batch(["b"])  # "a" left: it is served
-        assert proposer.served.wait_indexed()
+        assert proposer.method.learning.shared.wait_indexed()
         assert proposer.stats()["served_store_tokens"] == 12  # prompt and output
         assert proposer.propose([[11]], lengths, tokens) == [[12, 13, 14, 15]]
     finally:
@@ -203,7 +205,7 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
 
     saved = load_datastore(tmp_path / "served")
     assert saved.manifest.num_documents == 2 and saved.manifest.num_tokens == 12 + 4 + 2
-    restarted = HybridProposer(config)
+    restarted = RetrievalProposer(config)
     try:
         tokens, lengths = batch([5, 13, 14])
         restarted.observe_batch(["c"])
@@ -216,20 +218,20 @@ def test_hybrid_per_request_stores_learn_only_within_a_key():
     """``served_store: "per_request"``: "a" (key "x") generates 10..19; after it left, a request
     with key "x" is drafted its continuation, one with key "y" or with no key is not; a request
     without a key is not stored."""
-    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
-    proposer = HybridProposer(vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+    proposer = RetrievalProposer(vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
                                            "served_store": "per_request",
                                            "precompute_drafts": False}))
     try:
-        assert proposer.served_keys_wanted
+        assert proposer.capabilities.served_store_keys
         output = list(range(10, 20))
         tokens, lengths = batch([1, 2, *output], [3, 4, 30, 31])
         proposer.observe_batch(["a", "anonymous"], None, ["x", None])
         proposer.propose([[10], [30]], np.array([3, 3], dtype=np.int32), tokens)
         proposer.propose([output[1:], [31]], lengths, tokens)
         proposer.observe_batch(["b", "c", "d"], None, ["x", "y", None])  # "a" left: served
-        assert proposer.keyed.get("x").wait_indexed()
+        assert proposer.method.learning.keyed.get("x").wait_indexed()
         # Prompt and output of "a"; "anonymous" left too but named no store.
         stats = proposer.stats()
         assert (stats["served_store_tokens"], stats["served_store_requests"],

@@ -11,8 +11,8 @@ import pytest
 from helpers import brute_force_match, make_tokenizer
 from vllm_retrieval_spec.datastore.format import (
     MANIFEST_FILE, DatastoreError, load_datastore, tokenizer_fingerprint)
-from vllm_retrieval_spec.datastore.served import (
-    KeyedServedStores, ServedRequests, ServedStore, SuffixIndex)
+from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore, SuffixIndex
+from vllm_retrieval_spec.datastore.served_requests import ServedRequests
 
 LOOKUP = {"min_len": 2, "max_len": 16, "max_occurrences": 64, "continuation_len": 4}
 

@@ -9,7 +9,8 @@ import torch
 from helpers import batch, vllm_config
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, ConfigError, parse_speculative_config
 from vllm_retrieval_spec.datastore.dense import Projection
-from vllm_retrieval_spec.datastore.served import ServedRequests, ServedStore
+from vllm_retrieval_spec.datastore.served import ServedStore
+from vllm_retrieval_spec.datastore.served_requests import ServedRequests
 from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepted_state_rows
 
 DIMS = 8
@@ -154,7 +155,7 @@ def test_served_requests_hand_states_at_their_document_positions(include_prompts
 def test_hybrid_drafts_from_the_served_states_of_finished_requests():
     """A finished request's states are keys: a later request whose context matches nothing,
     but whose state is near one of them, is drafted what followed there."""
-    from vllm_retrieval_spec.proposers.hybrid import HybridProposer
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
     rng = np.random.default_rng(6)
     config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
@@ -164,9 +165,9 @@ def test_hybrid_drafts_from_the_served_states_of_finished_requests():
                           "context_min_match_len": 2, "min_match_len": 2},
                          max_model_len=128)
     config.model_config.get_hidden_size = lambda: DIMS
-    proposer = HybridProposer(config)
+    proposer = RetrievalProposer(config)
     try:
-        assert not proposer.drafts_ahead
+        assert not proposer.ahead.precompute
         # Request "a": prompt 1 2, then it generates 10..79 one token a step (the projection
         # is fitted on its 70 states).
         prompt, output = [1, 2], list(range(10, 80))
@@ -178,13 +179,13 @@ def test_hybrid_drafts_from_the_served_states_of_finished_requests():
             proposer.record_last_hidden_states(torch.from_numpy(states[step:step + 1]), [0])
             proposer.propose([[token]], lengths, tokens)
         proposer.observe_batch(["b"], None)  # "a" left: served
-        proposer.served_dense.wait_indexed()
+        proposer.method.learning.dense.wait_indexed()
         assert proposer.stats()["served_dense_keys"] == len(output)
         # "b" emits 16 after unrelated tokens, from the state that predicted 16 in "a".
         tokens, lengths = batch([7, 8, 16])
         proposer.record_last_hidden_states(torch.from_numpy(states[6:7]), [0])
         # No exact match stands behind it, so the draft is as short as drafts get.
-        cap = proposer.config.min_draft_len
+        cap = proposer.config.drafting.min_draft_len
         assert 0 < cap < 4
         assert proposer.propose([[16]], lengths, tokens) == [list(range(17, 17 + cap))]
         # From a state unlike any of "a"'s, the filter finds no neighbour predicting 16.

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import helpers
 from helpers import batch, vllm_config
+from vllm_retrieval_spec.contract import MethodDrafter
 from vllm_retrieval_spec.drafting.step_cost import (
     EXPIRE_EVERY,
     MAX_SAMPLE_AGE,
@@ -17,7 +19,6 @@ from vllm_retrieval_spec.drafting.step_cost import (
     cheapest_at_least,
     padded_draft,
 )
-from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
 MS = 1_000_000
 #: Shaped like benchmarks/results/verify-cost-slow-epyc.md: 3-4 draft tokens beat none.
@@ -107,10 +108,10 @@ def test_padding_follows_the_last_tokens_earlier_occurrences():
     assert padded_draft(context, np.asarray([1, 2], dtype=np.int32), 1).tolist() == [1, 2]
 
 
-class NoDrafts(RetrievalProposer):
+class NoDrafts(MethodDrafter):
     """Drafts nothing: every token it sends out is padding."""
 
-    def draft(self, context, max_len):
+    def draft(self, row, context, max_len):
         return np.empty(0, dtype=np.int32)
 
 
@@ -129,16 +130,16 @@ class StepClock:
 
 
 def drive(curve, steps, **options):
-    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8,
-                                     "pad_drafts": True, **options}, max_model_len=256))
-    proposer.clock = clock = StepClock(curve)
+    proposer = helpers.proposer({"method": "pld", "num_speculative_tokens": 8,
+                                 "pad_drafts": True, **options}, 256, NoDrafts())
+    proposer.lengths.clock = clock = StepClock(curve)
     context = [1, 2, 3, 1, 2, 3, 1, 2]
     drafts = []
     for _ in range(steps):
         proposer.observe_batch(["r"])
         tokens, lengths = batch(context, width=256)
         draft = proposer.propose([[context[-1]]], lengths, tokens)[0]
-        proposer.precompute_next()  # as the plugin does once the drafts are handed over
+        proposer.after_handover()  # as the plugin does once the drafts are handed over
         drafts.append(draft)
         clock.step(len(draft))
     return proposer, drafts
@@ -154,7 +155,7 @@ def test_propose_pads_empty_drafts_where_the_engine_verifies_four_tokens_fastest
     stats = proposer.stats()
     assert stats["step_ms_draft_4"] == 43.8 and stats["padded_drafts"] > 40
     # Padding is not evidence: the acceptance estimate never saw a drafted token.
-    assert proposer.acceptance.rates == {}
+    assert proposer.lengths.acceptance.rates == {}
 
 
 def test_propose_stops_padding_where_draft_tokens_cost_time():
@@ -168,9 +169,9 @@ def test_propose_stops_padding_where_draft_tokens_cost_time():
 
 @pytest.mark.parametrize("pad, rows", [(False, 1), (True, 2)])
 def test_no_padding_when_off_or_with_several_requests(pad, rows):
-    proposer = NoDrafts(vllm_config({"method": "pld", "num_speculative_tokens": 8,
-                                     "pad_drafts": pad}, max_model_len=256))
-    proposer.clock = clock = StepClock(DIPPED)
+    proposer = helpers.proposer({"method": "pld", "num_speculative_tokens": 8,
+                                 "pad_drafts": pad}, 256, NoDrafts())
+    proposer.lengths.clock = clock = StepClock(DIPPED)
     contexts = [[1, 2, 3, 1, 2]] * rows
     for _ in range(80):
         proposer.observe_batch([f"r{i}" for i in range(rows)])
@@ -187,7 +188,7 @@ def test_padded_drafts_are_the_same_with_and_without_drafting_ahead(monkeypatch)
     step's precomputed drafts are keyed by) or made before sampling (padded then too: propose
     pads nothing)."""
     from vllm_retrieval_spec.drafting import step_cost
-    from vllm_retrieval_spec.proposers.pld import PldProposer
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
     padded_after_sampling = []
     in_propose = [False]
@@ -201,12 +202,12 @@ def test_padded_drafts_are_the_same_with_and_without_drafting_ahead(monkeypatch)
     runs = {}
     for ahead in ("after", "precompute", "before"):
         padded_after_sampling.clear()
-        proposer = PldProposer(vllm_config(
+        proposer = RetrievalProposer(vllm_config(
             {"method": "pld", "num_speculative_tokens": 8, "pad_drafts": True,
              "precompute_drafts": ahead == "precompute",
              "draft_before_sampling": ahead == "before", "draft_budget_ms": 0},
             max_model_len=320))
-        proposer.clock = clock = StepClock(DIPPED)
+        proposer.lengths.clock = clock = StepClock(DIPPED)
         drafts = []
         position = 6
         draft: list[int] = []
@@ -221,7 +222,7 @@ def test_padded_drafts_are_the_same_with_and_without_drafting_ahead(monkeypatch)
             in_propose[0] = True
             draft = proposer.propose([sampled], lengths, tokens)[0]
             in_propose[0] = False
-            proposer.precompute_next()
+            proposer.after_handover()
             drafts.append(draft)
             clock.step(len(draft))
             accepted = 0
@@ -230,15 +231,15 @@ def test_padded_drafts_are_the_same_with_and_without_drafting_ahead(monkeypatch)
             sampled = truth[position:position + accepted + 1]
             position += accepted + 1
         proposer.stats()  # applies the last step's deferred acceptance update
-        runs[ahead] = (drafts, dict(proposer.acceptance.rates))
-        assert proposer.padded > 20
+        runs[ahead] = (drafts, dict(proposer.lengths.acceptance.rates))
+        assert proposer.lengths.padded > 20
         if ahead != "after":
-            assert proposer.precomputed["used"] > 0
+            assert proposer.ahead.precomputed["used"] > 0
         if ahead == "before":
-            assert proposer.precomputed == {"used": len(drafts)}
+            assert proposer.ahead.precomputed == {"used": len(drafts)}
             assert padded_after_sampling == []
         else:
-            assert len(padded_after_sampling) == proposer.padded
+            assert len(padded_after_sampling) == proposer.lengths.padded
     assert runs["after"] == runs["precompute"] == runs["before"]
 
 
@@ -270,10 +271,10 @@ def test_a_tree_steps_extra_cost_is_learned_beside_the_chain_curve():
     assert model.tree_extra() == pytest.approx(6.0 / 23.7)
 
 
-class OneTree(RetrievalProposer):
+class OneTree(MethodDrafter):
     """Drafts the same tree every step: the chain 5 6 7 and a branch 9, at 0.6."""
 
-    def draft(self, context, max_len):
+    def draft(self, row, context, max_len):
         from vllm_retrieval_spec.drafting.tree import TreeDraft
 
         return TreeDraft(np.array([5, 6, 7, 9], dtype=np.int32), np.array([-1, 0, 1, 0]), 3, 0.6)
@@ -282,20 +283,20 @@ class OneTree(RetrievalProposer):
 @pytest.mark.parametrize("extra_ms, trees_at_the_end", [(6.0, False), (0.5, True)])
 def test_a_tree_goes_out_only_while_its_branches_pay_for_the_measured_tree_cost(
         extra_ms, trees_at_the_end):
-    proposer = OneTree(vllm_config({"method": "pld", "num_speculative_tokens": 8, "tree": "on",
-                                    "pad_drafts": True, "min_draft_len": 3,
-                                    "adaptive_draft_len": False}, max_model_len=256))
-    for n in proposer.step_costs.lengths:
+    proposer = helpers.proposer({"method": "pld", "num_speculative_tokens": 8, "tree": "on",
+                                 "pad_drafts": True, "min_draft_len": 3,
+                                 "adaptive_draft_len": False}, 256, OneTree())
+    for n in proposer.lengths.step_costs.lengths:
         for _ in range(MIN_SAMPLES):
-            proposer.step_costs.observe(n, int(LINEAR[n] * MS))
-    proposer.clock = clock = StepClock(LINEAR)
+            proposer.lengths.step_costs.observe(n, int(LINEAR[n] * MS))
+    proposer.lengths.clock = clock = StepClock(LINEAR)
     context = [1, 2, 3, 4]
     trees = []
     for _ in range(12):
         proposer.observe_batch(["r"], [True])
         tokens, lengths = batch(context, width=256)
         draft = proposer.propose([[context[-1]]], lengths, tokens)[0]
-        proposer.precompute_next()
+        proposer.after_handover()
         trees.append("r" in proposer.trees)
         assert draft == ([5, 6, 7, 9] if trees[-1] else [5, 6, 7])
         clock.step(len(draft))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.tree_verification import (
+from vllm_retrieval_spec.verification.core import (
     greedy_tree_walk,
     is_chain,
     leading_chain_len,
@@ -122,7 +122,7 @@ def test_only_plain_greedy_requests_get_trees(field, value):
 def test_paged_kv_reads_what_vllm_cpu_writes():
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from vllm_retrieval_spec.tree_verification import PagedKV, cpu_tree_verifier
+    from vllm_retrieval_spec.verification.cpu import PagedKV, cpu_tree_verifier
 
     kv_cache = torch.zeros(4, 3, 32, 2 * 64)
     verifier = cpu_tree_verifier(kv_cache, 64, "auto")
@@ -147,7 +147,7 @@ def test_paged_kv_reads_what_vllm_cpu_writes():
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():
     torch = pytest.importorskip("torch")
-    from vllm_retrieval_spec.tree_verification import ContextBlocks, PagedKV
+    from vllm_retrieval_spec.verification.cpu import ContextBlocks, PagedKV
 
     find = PagedKV.context_blocks
     # 70 tokens in blocks of 32: 2 whole blocks, then 6 tokens of the third.
@@ -180,7 +180,7 @@ def test_context_blocks_are_read_in_place_when_they_form_a_range():
 def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_tree():
     torch = pytest.importorskip("torch")
     from vllm_retrieval_spec.drafting.tree import TreeDraft
-    from vllm_retrieval_spec.tree_verification import TreeVerifier
+    from vllm_retrieval_spec.verification.core import TreeVerifier
 
     tree = TreeDraft(TOKENS, PARENTS, 1, 0.5)
     verifier = TreeVerifier(paged=None)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.contract import Capabilities, Drafter
 from vllm_retrieval_spec.drafting.tree import TreeDraft
 
 SEQUENCES_ENV = "TREE_ORACLE_SEQUENCES"
@@ -24,9 +24,12 @@ TREE = [(-1, ("w", 0)), (-1, ("t", 0)), (1, ("w", 1)), (1, ("t", 1)), (3, ("t", 
         (0, ("w", 1)), (4, ("t", 3))]
 
 
-class TreeOracleProposer:
+class TreeOracleProposer(Drafter):
+    """Implements ``contract.Drafter`` itself: trees, and none of the other hooks."""
+
+    capabilities = Capabilities(trees=True)
+
     def __init__(self, vllm_config: Any) -> None:
-        self.config = SimpleNamespace(tree="on")
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         with open(os.environ[SEQUENCES_ENV]) as f:
             self.sequences = [np.asarray(s) for s in json.load(f)]
@@ -37,7 +40,8 @@ class TreeOracleProposer:
     def load_model(self, model: Any) -> None:
         pass
 
-    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
+    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None,
+                      served_keys: list[str | None] | None) -> None:
         self.req_ids = req_ids
         self.tree_rows = tree_rows
 
@@ -62,3 +66,33 @@ class TreeOracleProposer:
             self.trees[self.req_ids[i]] = TreeDraft(np.array(tokens),
                                                     np.array([p for p, _ in TREE]), 0, 1.0)
         return drafts
+
+    # The hooks of capabilities this drafter does not declare: never called.
+    def draft_before_sampling(self, sampled, verified, num_tokens_no_spec, token_ids_cpu):
+        raise AssertionError("not declared")
+
+    def search_ahead(self, states):
+        raise AssertionError("not declared")
+
+    def record_hidden_states(self, req_ids, aux_hidden_states, segments):
+        raise AssertionError("not declared")
+
+    def record_last_hidden_states(self, states, rows):
+        raise AssertionError("not declared")
+
+    has_work_after_handover = False
+
+    def after_handover(self):
+        raise AssertionError("no work after the handover")
+
+    def report_failure(self, kind, what, exc_info=False):
+        raise AssertionError(f"{kind}: {what}")
+
+    def observe_drafting_time(self, critical_s, total_s):
+        pass
+
+    def stats(self, reset=False):
+        return {}
+
+    def close(self):
+        pass

@@ -90,6 +90,14 @@ class MethodMetrics:
     def failed_draft(self, kind: str) -> None:
         self._failed_drafts.labels(self._method, kind).inc()
 
+    def publish(self, counts: dict[str, int]) -> None:
+        """Add ``counts`` (of ``target_forwards``, ``output_tokens``, ``lookups``,
+        ``empty_lookups``) to their series, and zero them."""
+        for name, count in counts.items():
+            if count:
+                getattr(self, name).inc(count)
+                counts[name] = 0
+
 
 _metrics: dict[str, object] = {}
 

@@ -123,7 +123,7 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
         label = None
         # hybrid alone drafts from what it serves (and the context); hybrid:NAME adds NAME.
         optional = name == "hybrid" and not store
-        if "datastore" in {f.name for f in dataclasses.fields(METHODS[name])} and not optional:
+        if "datastore" in METHODS[name].option_types() and not optional:
             if not store and len(datastores) == 1:
                 store = next(iter(datastores))
             if store not in datastores:

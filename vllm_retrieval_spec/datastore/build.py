@@ -197,7 +197,7 @@ def build_dense_index(
 ) -> Any:
     """Add DReSD's dense index to an existing datastore (``vllm-rsd build-datastore --dense``).
 
-    ``model`` is a model folder or a Hugging Face id in the local cache (``resolve_model_dir``);
+    ``model`` is a model folder or a Hugging Face id in the local cache (``model_files.resolve_model_dir``);
     ``dtype`` is vLLM's (e.g. "auto"), and the manifest records the dtype it resolves to.
 
     vLLM itself runs the forward passes (a pooling engine that returns every token's final
@@ -208,8 +208,9 @@ def build_dense_index(
     size bytes per token) and are deleted afterwards.
     """
     from vllm_retrieval_spec.datastore.dense import (
-        DENSE_DIR, check_dense_replaceable, check_pca_dims, dtype_name, model_config_json,
-        model_fingerprint, write_dense_index)
+        DENSE_DIR, check_dense_replaceable, dtype_name, write_dense_index)
+    from vllm_retrieval_spec.datastore.projection import check_pca_dims
+    from vllm_retrieval_spec.model_files import model_config_json, model_fingerprint
     from vllm_retrieval_spec.datastore.format import load_datastore
 
     # Everything that can be wrong is checked before minutes of forward passes.

@@ -29,12 +29,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.datastore.dense import DENSE_DIR
-from vllm_retrieval_spec.datastore.format import MANIFEST_FILE, SEPARATOR, load_datastore
+from vllm_retrieval_spec.datastore.format import SEPARATOR, load_datastore
 from vllm_retrieval_spec.datastore.served_dense import ModelFacts, ServedDenseStore
 from vllm_retrieval_spec.datastore.suffix_array import (
     build_suffix_array,
@@ -228,13 +226,14 @@ class ServedStore:
         ``dense``, its keys as a dense index of ``model``), atomically: ``path`` is either the
         previous save or this one, never a mix."""
         from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
+        from vllm_retrieval_spec.datastore.served_saver import write_served_dense_keys
 
         documents = self.documents()
         if not documents:
             return
         then = None
         if dense is not None and dense.fitted:
-            then = functools.partial(_write_dense_keys, dense.snapshot(documents),
+            then = functools.partial(write_served_dense_keys, dense.snapshot(documents),
                                      dense.projection, model)
         build_datastore_from_token_ids(
             documents, path, tokenizer_name=tokenizer_name,
@@ -318,216 +317,3 @@ class KeyedServedStores:
     def close(self) -> None:
         for store in self._stores.values():
             store.close()
-
-
-class ServedRequests:
-    """Each running request's tokens as last seen by the drafter, handed to a ``ServedStore``
-    (or, with keys, to its key's store in ``KeyedServedStores``) when the request leaves the
-    batch.
-
-    vLLM gives a ``custom_class`` drafter no "request finished" call: a request is finished
-    (or preempted; a resumed one replaces its entry) when it is no longer in the batch.
-    """
-
-    def __init__(self, store: ServedStore | KeyedServedStores, include_prompts: bool,
-                 dense: ServedDenseStore | None = None) -> None:
-        self.store = store
-        self.include_prompts = include_prompts
-        #: The dense half, fed with each finished request's final hidden states.
-        self.dense = dense
-        #: Request id -> (prompt length, buffer, tokens in the buffer): a copy, since the
-        #: batch's rows are reused once the request leaves, that grows by each step's new
-        #: tokens only (a full copy per step would cost O(context) on every decoding step).
-        self.running: dict[str, tuple[int, np.ndarray, int]] = {}
-        #: Request id -> its store's key (``KeyedServedStores`` only).
-        self.keys: dict[str, str] = {}
-        #: Request id -> its steps' (final hidden states [m, H], their positions), for ``dense``.
-        self.states: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-
-    def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
-                num_tokens: np.ndarray, token_ids: np.ndarray,
-                keys: Sequence[str | None] | None = None,
-                states: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None) -> None:
-        """Record this step's tokens of every row that sampled (rows are ``req_ids``' order;
-        ``token_ids[i]`` holds row i's tokens, at least its ``num_tokens[i]``).
-        With ``KeyedServedStores``, ``keys`` names each row's store; rows without a key are
-        not recorded. ``states[i]``: row i's final hidden states of this step and the context
-        positions they are at (for the dense store)."""
-        keyed = isinstance(self.store, KeyedServedStores)
-        for i, sampled in enumerate(sampled_token_ids):
-            if not sampled or i >= len(req_ids):
-                continue
-            req_id = req_ids[i]
-            if keyed:
-                key = keys[i] if keys is not None and i < len(keys) else None
-                if key is None:
-                    continue
-                self.keys[req_id] = key
-            n = int(num_tokens[i])
-            known = self.running.get(req_id)
-            if known is None or known[2] > n:
-                # The first step that samples is the prefill's: everything before its tokens
-                # is the prompt.
-                prompt_len = n - len(sampled) if known is None else known[0]
-                buffer = np.empty(max(2 * n, 64), dtype=np.int32)
-                buffer[:n] = token_ids[i][:n]
-                # Resumed after preemption: its context is recomputed, its states start over.
-                self.states.pop(req_id, None)
-            else:
-                prompt_len, buffer, length = known
-                if n > len(buffer):
-                    buffer = np.concatenate([buffer[:length],
-                                             np.empty(max(n, len(buffer)), dtype=np.int32)])
-                buffer[length:n] = token_ids[i][length:n]
-            self.running[req_id] = (prompt_len, buffer, n)
-            if self.dense is not None and states is not None and i < len(states) \
-                    and states[i] is not None:
-                self.states.setdefault(req_id, []).append(states[i])
-
-    def finish_all(self) -> None:
-        """Hand every tracked request to the store (the engine is shutting down: the last
-        requests never leave a batch)."""
-        self.finish_absent(())
-
-    def finish_absent(self, req_ids: Sequence[str]) -> None:
-        """Hand every tracked request that is no longer in the batch to the store."""
-        for req_id in self.running.keys() - set(req_ids):
-            prompt_len, buffer, length = self.running.pop(req_id)
-            start = 0 if self.include_prompts else prompt_len
-            tokens = buffer[start:length]
-            steps = self.states.pop(req_id, None)
-            if isinstance(self.store, KeyedServedStores):
-                self.store.add(self.keys.pop(req_id), req_id, tokens)
-            elif steps:
-                store_served(self.store, self.dense, req_id, tokens, start,
-                             np.concatenate([s for s, _ in steps]),
-                             np.concatenate([p for _, p in steps]))
-            else:
-                self.store.add(req_id, tokens)
-
-
-def store_served(store: ServedStore, dense: ServedDenseStore | None, req_id: str,
-                 tokens: np.ndarray | Sequence[int], start: int, states: np.ndarray,
-                 positions: np.ndarray) -> None:
-    """Store a finished request's ``tokens`` (its context from position ``start`` on) and, in
-    ``dense``, its final hidden states ``states`` at context ``positions``, each pointing at
-    its position in the stored document (which may keep only the end of ``tokens``)."""
-    document = store.add(req_id, tokens)
-    if dense is None or document is None:
-        return
-    positions = np.asarray(positions) - (start + len(tokens) - len(document))
-    kept = positions >= 0
-    dense.add(document, states[kept], positions[kept])
-
-
-def _write_dense_keys(snapshot: tuple[np.ndarray, np.ndarray], projection: Any,
-                      model: ModelFacts, directory: Path, manifest: Any) -> None:
-    """The served dense keys as ``directory``'s dense index (``build``'s ``then`` hook)."""
-    from vllm_retrieval_spec.datastore.dense import write_dense_keys
-    from vllm_retrieval_spec.datastore.format import TOKENS_FILE
-
-    keys, positions = snapshot
-    if not len(keys):
-        return
-
-    def fill(out: np.ndarray) -> None:
-        out[:] = keys.astype(np.float16)
-
-    write_dense_keys(directory / DENSE_DIR, manifest.files[TOKENS_FILE]["sha256"], len(keys),
-                     fill, positions, projection, model_name=model.name,
-                     model_fingerprint=model.fingerprint, hidden_size=model.hidden_size,
-                     layer=model.layer, dtype=model.dtype, num_fit_samples=0, scann=False,
-                     progress=False)
-
-
-class PeriodicSaver:
-    """Saves a served store to a datastore directory every ``interval_s`` seconds while it
-    changes, and once more when the process exits; loads that directory first if it exists.
-
-    Each save is a complete datastore written under a temporary name and renamed into place
-    (``atomic_path``), so a crash mid-save leaves the previous save, which loads.
-    """
-
-    def __init__(self, store: ServedStore, path: str | Path, model_config: Any,
-                 interval_s: float, dense: ServedDenseStore | None = None) -> None:
-        self.store = store
-        self.dense = dense
-        self.path = Path(path)
-        self.interval_s = interval_s
-        self._saved_version: tuple[int, int] = (-1, -1)
-        # At start-up, not at the first save: the last save happens while vLLM shuts the worker
-        # down, and a worker that takes long to exit is killed.
-        self._tokenizer = self._tokenizer_facts(model_config)
-        self._model = ModelFacts.of(model_config) if dense is not None else None
-        if (self.path / MANIFEST_FILE).is_file():
-            # The front-end checked its tokenizer fingerprint against the model's (and its
-            # dense index against the model, ``plugin.validate_against_model``).
-            documents = store.load(self.path)
-            # Indexed before the first request is drafted (start-up, not a decoding step).
-            store.wait_indexed()
-            logger.info("served store: loaded %d tokens from %s", sum(map(len, documents)),
-                        self.path)
-            if dense is not None and (self.path / DENSE_DIR / MANIFEST_FILE).is_file():
-                self._load_dense(documents)
-        self._saved_version = self._version()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._save_periodically, name="served-store-save",
-                                        daemon=True)
-        self._thread.start()
-
-    def save_if_changed(self) -> bool:
-        version = self._version()
-        if version == self._saved_version:
-            return False
-        name, fingerprint, vocab_size = self._tokenizer
-        self.store.save(self.path, tokenizer_name=name, tokenizer_fingerprint=fingerprint,
-                        vocab_size=vocab_size, dense=self.dense, model=self._model)
-        self._saved_version = version
-        return True
-
-    def _version(self) -> tuple[int, int]:
-        # The dense keys of a finished request are indexed after its tokens are stored.
-        return self.store.version, 0 if self.dense is None else self.dense.inserted
-
-    def _load_dense(self, documents: list[np.ndarray]) -> None:
-        from vllm_retrieval_spec.datastore.dense import DenseIndex
-
-        index = DenseIndex.from_path(self.path, search="exact", verify_checksums=False)
-        loaded = self.dense.load_keys(documents, np.asarray(index.keys), index.positions,
-                                      index.projection)
-        self.dense.wait_indexed()
-        logger.info("served dense store: loaded %d keys from %s", loaded, self.path)
-
-    def close(self) -> None:
-        """Stop saving periodically; save what changed since the last save."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._thread.join(timeout=60)
-        self._save_logged()
-
-    def _save_periodically(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._save_logged()
-
-    def _save_logged(self) -> None:
-        try:
-            if self.save_if_changed():
-                logger.info("served store: saved %d tokens to %s", self.store.num_tokens,
-                            self.path)
-        except Exception:
-            # Serving goes on; the previous save stays in place.
-            logger.exception("could not save the served store to %s", self.path)
-
-    @staticmethod
-    def _tokenizer_facts(model_config: Any) -> tuple[str, str, int]:
-        """(name, fingerprint, vocab size) of the served model's tokenizer, for the manifest."""
-        from transformers import AutoTokenizer
-
-        from vllm_retrieval_spec.datastore.format import tokenizer_fingerprint, tokenizer_vocab_size
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_config.tokenizer, revision=model_config.tokenizer_revision,
-            trust_remote_code=model_config.trust_remote_code)
-        return (Path(str(model_config.tokenizer)).name, tokenizer_fingerprint(tokenizer),
-                tokenizer_vocab_size(tokenizer))

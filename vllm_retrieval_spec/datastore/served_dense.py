@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.datastore.dense import Projection, fit_projection
+from vllm_retrieval_spec.datastore.projection import Projection, fit_projection
 from vllm_retrieval_spec.datastore.format import SEPARATOR
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ class ModelFacts:
     def of(cls, model_config: Any) -> ModelFacts:
         from pathlib import Path
 
-        from vllm_retrieval_spec.datastore.dense import dtype_name, model_fingerprint
+        from vllm_retrieval_spec.datastore.dense import dtype_name
+        from vllm_retrieval_spec.model_files import model_fingerprint
 
         return cls(Path(str(model_config.model)).name, model_fingerprint(model_config.model),
                    model_config.get_hidden_size(),

@@ -68,3 +68,10 @@ def max_worthwhile_len(rate: float, draft_token_cost: float, k: int) -> int:
     if rate <= draft_token_cost:
         return 1
     return max(1, min(k, int(math.log(draft_token_cost) / math.log(rate))))
+
+
+def drafting_off(running: int, disable_by_batch_size: int) -> bool:
+    """No drafts this step: ``running`` requests sampled a token, as many as
+    ``disable_by_batch_size`` or more (0 = always draft). Verifying drafts for a batch this
+    large costs more than they save."""
+    return bool(disable_by_batch_size) and running >= disable_by_batch_size

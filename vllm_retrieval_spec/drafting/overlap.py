@@ -8,7 +8,7 @@ only ``b`` worth drafting for are the tokens that followed earlier occurrences o
 ``b`` has no match at all and drafts nothing. Those drafts are made while nothing waits for
 them (``precompute_plan`` orders them, the proposer makes them with its own ``draft`` so they
 are exactly what it would draft then); when step t+1's sampled tokens arrive, drafting is a
-lookup by ``(a, b)`` (``NextDrafts.take``).
+lookup by ``(a, b)`` (``NextDrafts.take``). ``drafting.ahead`` does both for the proposer.
 
 For a greedy request the sampled tokens are known even before vLLM samples: they are the argmax
 of the step's logits along the draft (``greedy_sampled``), so its next draft can be made then, for
@@ -27,23 +27,6 @@ from typing import Any
 
 import numba
 import numpy as np
-
-
-@numba.njit(cache=True)
-def context_followers(context: np.ndarray) -> np.ndarray:
-    """The token after every earlier occurrence of ``context[-1]`` in ``context`` (repeats
-    kept, most recent first)."""
-    size = context.shape[0]
-    out = np.empty(max(size - 1, 0), dtype=np.int32)
-    if size == 0:
-        return out
-    last = context[size - 1]
-    k = 0
-    for i in range(size - 2, -1, -1):
-        if context[i] == last:
-            out[k] = context[i + 1]
-            k += 1
-    return out[:k]
 
 
 #: Occurrences of a token sampled from a suffix array for its followers: enough to see every
@@ -98,6 +81,26 @@ def greedy_sampled(draft: list[int], logits: np.ndarray) -> list[int]:
         a += 1
 
 
+def sampled_before_sampling(logits: np.ndarray, num_drafts: list[int], drafts: list[int],
+                            greedy: list[bool]) -> tuple[list[list[int] | None], list[list[int]]]:
+    """What each batch row will sample (None for rows that are not ``greedy``: their tokens
+    are not known before vLLM samples) and the draft it verifies, from a step's ``logits``.
+
+    Row i has ``num_drafts[i] + 1`` rows of logits, contiguous (``_calc_spec_decode_metadata``):
+    one after each draft token's predecessor (the root first), then the bonus row; ``drafts``
+    is every row's draft, concatenated."""
+    sampled: list[list[int] | None] = []
+    verified: list[list[int]] = []
+    row = drafted = 0
+    for i, n in enumerate(num_drafts):
+        draft = drafts[drafted:drafted + n]
+        verified.append(draft)
+        sampled.append(greedy_sampled(draft, logits[row:row + n + 1]) if greedy[i] else None)
+        row += n + 1
+        drafted += n
+    return sampled, verified
+
+
 def last_state_rows(sampled: list[list[int] | None], num_drafts: list[int],
                     tree_last_nodes: dict[int, int] | None = None) -> list[int]:
     """Row of a step's sampled hidden states (the logits' rows) holding the state that
@@ -132,6 +135,14 @@ def precompute_plan(followers: list[np.ndarray], budget: int) -> list[tuple[int,
     return plan
 
 
+def same_snapshot(a: Any, b: Any) -> bool:
+    """Whether two ``MethodDrafter.snapshot`` results are the same state: the same objects
+    (compared by identity: a store's index is replaced, never changed in place)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return a is b
+
+
 @dataclass
 class NextDrafts:
     """A request's precomputed drafts for its next step."""
@@ -158,7 +169,7 @@ class NextDrafts:
         once (callers may keep it)."""
         a = len(sampled) - 1
         if num_tokens != self.base_len + a + 1 or a >= len(self.max_lens) \
-                or sources is not self.sources:
+                or not same_snapshot(sources, self.sources):
             return None
         b = sampled[-1]
         if a < len(self.draft) and b == self.draft[a]:
@@ -202,4 +213,4 @@ class ReadyDraft:
         """Whether the request sampled ``sampled`` and has ``num_tokens`` tokens, as this
         draft assumed, from the same sources' state."""
         return num_tokens == len(self.context) and sampled == self.sampled \
-            and sources is self.sources
+            and same_snapshot(sources, self.sources)

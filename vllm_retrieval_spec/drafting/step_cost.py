@@ -16,9 +16,9 @@ they cost nothing where the longer step is the cheaper one, and they are never v
 it is not.
 
 A tree step costs more than a chain of as many tokens: its nodes beside the leading chain attend
-to the context a second time (``tree_verification``), a cost per layer that grows with the
+to the context a second time (``verification``), a cost per layer that grows with the
 context, not with the nodes. The same timings measure it (``tree_extra``), and a tree goes out
-only where its branches are expected to add more than that (``RetrievalProposer.branches_pay``).
+only where its branches are expected to add more than that (``DraftLengths.branches_pay``).
 """
 
 from __future__ import annotations

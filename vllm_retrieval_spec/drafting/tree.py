@@ -9,16 +9,19 @@ adapts to the evidence: a token is drafted only while the estimated probability 
 prefix is right, ``weight(node) / (weight(root) + prior_weight)``, stays at or above
 ``min_prefix_prob``. The prior weight is a pseudo-count for "none of the candidates is right":
 with one retrieved continuation and ``prior_weight=1`` the estimate is 0.5, not 1. A tree
-(``best_tree``, verified by ``tree_verification``) is that chain plus the trie's next best
+(``best_tree``, verified by ``verification``) is that chain plus the trie's next best
 nodes, while each is likely enough to be accepted to pay for its verification.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
+
+from vllm_retrieval_spec.config import TrieOptions
 
 NO_NODE = -1
 
@@ -226,16 +229,23 @@ class TreeDraft(NamedTuple):
         return self.tokens[:self.chain_len]
 
 
-def select_draft(candidates: np.ndarray, lengths: np.ndarray, weights: np.ndarray,
-                 max_len: int, config: Any, max_depth: int | None = None
-                 ) -> np.ndarray | TreeDraft:
-    """What a trie-voting method drafts from its candidates: the best chain of at most
-    ``max_depth`` tokens, or with ``config.tree == "on"`` a tree of at most ``max_len`` nodes
-    and ``max_depth`` deep (``max_depth`` defaults to ``max_len``)."""
-    depth = max_len if max_depth is None else min(max_depth, max_len)
-    if config.tree == "on":
-        return TreeDraft(*best_tree(candidates, lengths, weights, max_len,
-                                    config.min_prefix_prob, config.prior_weight,
-                                    config.min_draft_len, config.tree_min_prob, depth))
-    return best_chain(candidates, lengths, weights, depth, config.min_prefix_prob,
-                      config.prior_weight, config.min_draft_len)
+@dataclass(frozen=True)
+class TrieSelection:
+    """How a trie-voting method turns its candidates into a draft: the best chain, or with
+    ``tree: "on"`` the best tree (``TrieOptions``); chains extended to ``min_draft_len``."""
+
+    trie: TrieOptions
+    min_draft_len: int
+
+    def select(self, candidates: np.ndarray, lengths: np.ndarray, weights: np.ndarray,
+               max_len: int, max_depth: int | None = None) -> np.ndarray | TreeDraft:
+        """The best chain of at most ``max_depth`` tokens, or a tree of at most ``max_len``
+        nodes and ``max_depth`` deep (``max_depth`` defaults to ``max_len``)."""
+        depth = max_len if max_depth is None else min(max_depth, max_len)
+        trie = self.trie
+        if trie.tree == "on":
+            return TreeDraft(*best_tree(candidates, lengths, weights, max_len,
+                                        trie.min_prefix_prob, trie.prior_weight,
+                                        self.min_draft_len, trie.tree_min_prob, depth))
+        return best_chain(candidates, lengths, weights, depth, trie.min_prefix_prob,
+                          trie.prior_weight, self.min_draft_len)

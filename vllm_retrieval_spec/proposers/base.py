@@ -1,513 +1,311 @@
-"""What every retrieval proposer shares: vLLM's ``custom_class`` contract and its safety rules.
+"""vLLM's ``custom_class`` proposer for every retrieval method: the ``contract.Drafter`` the
+plugin drives, over one method's ``contract.MethodDrafter`` (``proposers/<method>.py``).
 
-vLLM builds the proposer with ``Class(vllm_config)`` in the worker, calls ``load_model(model)``
-once, then ``propose(...)`` once per decoding step for the whole batch (see
-``GPUModelRunner.propose_draft_token_ids``). A draft longer than ``num_speculative_tokens``
-kills the engine, and so does an exception, so each request's draft is checked here and any
-failure costs that request one step's draft, never the engine.
+vLLM builds it with ``RetrievalProposer(vllm_config)`` in the worker, calls ``load_model``
+once, then ``propose`` once per decoding step for the whole batch. What every method shares is
+here, each part an object of its own: how long drafts may be and what they cost
+(``DraftLengths``), checking every draft (``DraftGuard``: a draft longer than
+``num_speculative_tokens`` or an exception would kill the engine, so any failure costs that
+request one step's draft instead), drafts made ahead of their step (``DraftAhead``), and the
+counters behind the metrics.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import random
-import time
-from collections import Counter
+import dataclasses
+import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.config import (
-    PLUGIN_KEY,
-    TREE_COST_FACTOR,
-    MethodConfig,
-    config_from_dict,
-)
-from vllm_retrieval_spec.drafting.adaptive import AcceptanceTracker, too_short
+from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
+from vllm_retrieval_spec.contract import Drafter, MethodDrafter
+from vllm_retrieval_spec.drafting.adaptive import drafting_off
+from vllm_retrieval_spec.drafting.ahead import DraftAhead
+from vllm_retrieval_spec.drafting.guard import DraftFailures, DraftGuard
+from vllm_retrieval_spec.drafting.lengths import DraftLengths
 from vllm_retrieval_spec.drafting.overlap import (
-    NextDrafts, ReadyDraft, last_state_rows, precompute_plan)
-from vllm_retrieval_spec.drafting.step_cost import StepCostModel, pad_to
+    NextDrafts, ReadyDraft, last_state_rows, rank_followers)
+from vllm_retrieval_spec.drafting.step_cost import pad_to
 from vllm_retrieval_spec.drafting.tree import TreeDraft
-from vllm_retrieval_spec.tree_verification import is_chain, valid_tree
 from vllm_retrieval_spec.metrics import MethodMetrics
 
-logger = logging.getLogger(__name__)
+
+@dataclass
+class SampledStep:
+    """What one ``propose`` was handed, for ``MethodDrafter.observe_sampled``."""
+
+    #: Request id of each batch row.
+    req_ids: list[str]
+    sampled: list[list[int]]
+    num_tokens: np.ndarray
+    token_ids: np.ndarray
+    #: Drafts made before sampling that this step handed out (each holds a copy of its
+    #: request's tokens).
+    ready: list[ReadyDraft]
+    #: Request id -> tree, for this step's drafts that are trees.
+    trees: dict[str, TreeDraft]
 
 
-class RetrievalProposer:
-    """Adapts vLLM's per-batch ``propose`` call to a per-request ``draft(context, max_len)``."""
-
-    def __init__(self, vllm_config: Any) -> None:
+class RetrievalProposer(Drafter):
+    def __init__(self, vllm_config: Any, method: MethodDrafter | None = None) -> None:
+        """vLLM passes ``vllm_config`` alone; the method's drafter is then made from the
+        config (``make_drafter`` of the method's module). Tests and lab tools may pass one."""
         self.config: MethodConfig = config_from_dict(vllm_config.additional_config[PLUGIN_KEY])
+        drafting = self.config.drafting
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.vocab_size = vllm_config.model_config.get_vocab_size()
-        self.budget_ns = int(self.config.draft_budget_ms * 1e6)
+        self.metrics = MethodMetrics(self.config.method)
+        self.failures = DraftFailures(self.config.method, self.metrics)
+        self.method = method or importlib.import_module(self.config.module).make_drafter(
+            self.config, vllm_config, self.failures.record)
+        # Tensor-parallel ranks would time their steps apart, and all must draft alike.
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.lengths = DraftLengths(drafting, self.k, self.max_model_len,
+                                    timed=getattr(parallel, "world_size", 1) == 1)
+        trie = getattr(self.config, "trie", None)
+        self.guard = DraftGuard(
+            self.method.draft, self.failures, vocab_size=vllm_config.model_config.get_vocab_size(),
+            budget_ms=drafting.draft_budget_ms, min_draft_len=drafting.min_draft_len,
+            inject_faults=drafting.inject_faults,
+            branches_pay=lambda tree: self.lengths.branches_pay(tree, trie.tree_min_prob))
+        faults = bool(drafting.inject_faults)
+        found = self.method.capabilities
+        self.ahead = DraftAhead(
+            self.method, self.lengths, self.guard.checked,
+            precompute=drafting.precompute_drafts and not faults and found.precomputable,
+            max_drafts=drafting.precompute_max_drafts)
+        # Drafts that need the step's hidden states get them from ``search_ahead``.
+        self.capabilities = dataclasses.replace(
+            found, drafts_before_sampling=drafting.draft_before_sampling and not faults and (
+                found.precomputable or found.last_hidden_states))
         #: Request id of each batch row this step (``observe_batch``; empty outside vLLM).
         self.row_req_ids: list[str] = []
         #: Whether each batch row may get a tree this step (``observe_batch``).
         self.tree_rows: list[bool] = []
-        #: Request id -> its draft, for this step's drafts that are trees (not chains);
-        #: ``tree_verification`` reads it when vLLM schedules those drafts.
         self.trees: dict[str, TreeDraft] = {}
-        self.acceptance = (AcceptanceTracker(self.k, self.config.draft_token_cost,
-                                             self.config.min_draft_len)
-                           if self.config.adaptive_draft_len else None)
-        #: Request id -> length of its last draft as drafted (before ``pad_drafts``' padding).
-        self.last_draft_len: dict[str, int] = {}
-        # Every tensor-parallel rank must draft alike, and each would time its steps apart.
-        parallel = getattr(vllm_config, "parallel_config", None)
-        self.step_costs = StepCostModel(self.config.min_draft_len, self.k) \
-            if self.config.pad_drafts and getattr(parallel, "world_size", 1) == 1 else None
-        #: (request id, tokens handed to vLLM, whether a tree, when) of the last step in which
-        #: that request decoded alone: the next ``propose`` times its verification
-        #: (``step_costs``).
-        self._alone: tuple[str, int, bool, int] | None = None
-        #: Clock of those timings, in ns.
-        self.clock = time.perf_counter_ns
-        #: Drafts padded (``step_costs``) since the stats were last reset.
-        self.padded = 0
-        self.metrics = MethodMetrics(self.config.method)
-        # Seeded: every tensor-parallel rank must draft the same.
-        self._fault_rng = random.Random(0)
-        self._fault_kinds = itertools.cycle(("raise", "too_long", "out_of_vocabulary", "slow"))
-        #: Steps on which a request got no draft because drafting failed, returned garbage or
-        #: overran its time budget, by kind (see ``_fail``).
-        self.failures: Counter[str] = Counter()
-        self.precompute = self.config.precompute_drafts and not self.config.inject_faults
-        #: Whether drafts can be made before the step they are for has run: not where they need
-        #: its hidden states (``followers`` is None; hybrid with a dense source).
-        self.drafts_without_states = type(self).followers is not RetrievalProposer.followers
-        #: The hidden states of the rows vLLM samples this step (``search_ahead``, called by
-        #: the plugin right after the forward), until ``draft_before_sampling`` uses them.
+        #: The hidden states of the rows vLLM samples this step (``search_ahead``), until
+        #: ``draft_before_sampling`` uses them.
         self.forward_states: Any = None
-        #: This step's (row, request id, context, draft) for ``precompute_next``.
-        self.handed: list[tuple[int, str, np.ndarray, list[int]]] = []
-        #: Request id -> its drafts for the next step (``precompute_next``).
-        self.next_drafts: dict[str, NextDrafts] = {}
-        #: This step's ``next_drafts`` by batch row (``observe_batch``), or the row's draft made
-        #: before sampling (``draft_before_sampling``).
-        self.row_ahead: list[NextDrafts | ReadyDraft | None] = []
-        #: Drafting steps served from drafts made in advance ("used") or not ("missed").
-        self.precomputed: Counter[str] = Counter()
-        #: (request id, drafted, accepted) whose acceptance update waits for
-        #: ``_apply_deferred``.
-        self._deferred: list[tuple[str, int, int]] = []
-        #: Drafts made before sampling and handed out, whose bookkeeping waits for
-        #: ``_apply_deferred``.
-        self._ready_used: list[ReadyDraft] = []
-        #: (draft tokens, ns, whether a tree): the last step's time, for ``step_costs`` in
-        #: ``_apply_deferred``.
-        self._step_time: tuple[int, int, bool] | None = None
-        #: Whether ``_apply_deferred`` may have work (set by every ``propose``).
+        #: Whether ``settle`` may have work (set by every ``propose``).
         self._pending = False
         #: Counts for ``self.metrics`` not yet published.
         self._counts = dict.fromkeys(
             ("target_forwards", "output_tokens", "lookups", "empty_lookups"), 0)
 
-    @property
-    def drafts_ahead(self) -> bool:
-        """Whether this step's contexts are kept for ``precompute_next``."""
-        return self.precompute and self.drafts_without_states
-
-    @property
-    def drafts_from_logits(self) -> bool:
-        """Whether the plugin calls ``draft_before_sampling`` (``draft_before_sampling``):
-        drafts that need the step's hidden states get them from ``search_ahead``."""
-        return self.config.draft_before_sampling and not self.config.inject_faults and (
-            self.drafts_without_states or hasattr(self, "search_ahead"))
-
     def load_model(self, model: Any) -> None:
-        """The CPU runner hands over the target model; retrieval needs none by default."""
+        """Retrieval needs no model of its own: this is where what the first step would
+        compile or load is done instead (``MethodDrafter.warm_up``)."""
+        self.method.warm_up(self.k)
+        context = np.arange(4, dtype=np.int32) % 2
+        if self.capabilities.precomputable:
+            self.method.followers(0, context)
+        rank_followers(context, context)
+        pad_to(context, context[:1], 3)
 
-    def draft(self, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
-        """Draft at most ``max_len`` tokens to follow ``context`` (int32, the request's tokens)."""
-        raise NotImplementedError
+    def drafting_off(self, running: int) -> bool:
+        return drafting_off(running, self.config.drafting.disable_by_batch_size)
 
-    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
-        """``draft`` for batch row ``row``; methods with per-request state override this."""
-        return self.draft(context, max_len)
+    def _tree_row(self, row: int) -> bool:
+        # Only greedy requests are verified as trees: the others get the tree's chain.
+        return row < len(self.tree_rows) and self.tree_rows[row]
 
-    def followers(self, row: int, context: np.ndarray) -> tuple[np.ndarray, bool] | None:
-        """The tokens ``b`` for which drafting after ``context + [b]`` (batch row ``row``'s
-        context) can find anything, most likely first, and whether that list is complete (every
-        other ``b`` drafts nothing); None where drafts cannot be made in advance (they need the
-        step's hidden states)."""
-        return None
-
-    def sources_state(self, row: int) -> Any:
-        """What batch row ``row``'s precomputed drafts depend on besides the context
-        (``NextDrafts.sources``)."""
-        return None
-
-    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
-        """The plugin calls this each step before ``propose``: which request is in which row,
-        and which rows may get a tree (greedy requests, where vLLM can verify trees). State of
-        requests that left the batch is dropped."""
+    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None,
+                      served_keys: list[str | None] | None = None) -> None:
         self.row_req_ids = req_ids
         self.tree_rows = tree_rows or []
-        self._apply_deferred()
-        # Each row's precomputed drafts, found before sampling (the lookup after it is then
-        # all that is left); those of requests that left the batch are dropped.
-        if self.next_drafts:
-            self.row_ahead = [self.next_drafts.get(r) for r in req_ids]
-            self.next_drafts = {}
-        if len(self.last_draft_len) > len(req_ids):
-            present = set(req_ids)
-            self.last_draft_len = {r: n for r, n in self.last_draft_len.items() if r in present}
-            if self.acceptance is not None:
-                self.acceptance.forget_except(present)
+        self.settle()
+        self.ahead.begin_batch(req_ids)
+        self.lengths.forget_except(req_ids)
+        self.method.begin_step(req_ids, served_keys)
+
+    def search_ahead(self, states: Any) -> None:
+        self.forward_states = states
+        self.method.search_ahead(states)
+
+    def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],
+                             segments: list[tuple[int, int, int]]) -> None:
+        self.method.record_hidden_states(req_ids, aux_hidden_states, segments)
+
+    def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
+        self.method.record_last_hidden_states(states, rows)
 
     def draft_before_sampling(self, sampled: list[list[int] | None], verified: list[list[int]],
                               num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> None:
-        """This step's drafts, made before vLLM samples: batch row i will sample ``sampled[i]``
-        (a greedy request's argmax along its draft, ``drafting.overlap.greedy_sampled``; None
-        where not known) after verifying ``verified[i]``, and has ``num_tokens_no_spec[i]``
-        tokens before them. Each draft is kept, padded as ``propose`` would pad it, as that
-        row's ``ReadyDraft``: ``propose`` hands it out if the row sampled exactly those tokens
-        and drafts as before otherwise. Rows with trees or with precomputed drafts already are
-        left alone."""
-        rows = len(sampled)
+        """This step's drafts, made before vLLM samples (``DraftAhead.before_sampling``):
+        ``propose`` hands each out if its row sampled exactly the tokens it was made for and
+        drafts as before otherwise."""
         states, self.forward_states = self.forward_states, None
         if self.drafting_off(sum(1 for tokens in sampled if tokens)):
             return
-        if not self.drafts_without_states:
+        if not self.method.capabilities.precomputable:
             if states is None:
                 return
             # The state that predicted each row's last sampled token: the logits' rows are the
-            # states' rows (the root's, then one per draft token, request after request). Only
-            # drafters with ``search_ahead`` get here, and they record states.
-            self.record_last_hidden_states(  # type: ignore[attr-defined]
+            # states' rows (the root's, then one per draft token, request after request).
+            self.method.record_last_hidden_states(
                 states, last_state_rows(sampled, [len(draft) for draft in verified]))
         # propose pads the drafts of a request decoding alone.
-        pad = self.step_costs is not None and rows == 1
-        if len(self.row_ahead) < rows:
-            self.row_ahead = self.row_ahead + [None] * (rows - len(self.row_ahead))
-        for i, tokens in enumerate(sampled):
-            if not tokens or i >= len(self.row_req_ids) or self.row_ahead[i] is not None:
-                continue
-            req_id = self.row_req_ids[i]
-            if req_id in self.trees:
-                # The tree verifier picks the accepted path; it need not follow the chain.
-                continue
-            base = int(num_tokens_no_spec[i])
-            context = np.concatenate([token_ids_cpu[i, :base],
-                                      np.asarray(tokens, dtype=token_ids_cpu.dtype)])
-            a = len(tokens) - 1
-            # As propose's update: acceptance of the last draft as drafted.
-            last_drafted = self.last_draft_len.get(req_id, 0)
-            cap = None if self.acceptance is None else \
-                self.acceptance.cap_after(req_id, last_drafted, min(a, last_drafted))
-            max_len = self._max_len(len(context), cap)
-            draft, tree = self._checked_draft(i, context, max_len) if max_len > 0 \
-                else ([], None)
-            self.row_ahead[i] = ReadyDraft(
-                req_id, i, list(tokens), context, self.sources_state(i),
-                self._padded(context, draft) if pad and tree is None else draft, tree,
-                len(draft), last_drafted)
+        pad = self.lengths.step_costs is not None and len(sampled) == 1
+        self.ahead.before_sampling(sampled, num_tokens_no_spec, token_ids_cpu, self.row_req_ids,
+                                   self.trees, self._tree_row, pad)
 
-    def propose(
-        self,
-        sampled_token_ids: list[list[int]],
-        num_tokens_no_spec: np.ndarray,
-        token_ids_cpu: np.ndarray,
-        slot_mappings: Any = None,
-    ) -> list[list[int]]:
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         # Everything here is on the critical path, right after a forward that left the caches
         # cold (drafting.overlap): counters, acceptance updates and step times wait for
-        # precompute_next, called once the drafts are handed over.
-        now = self.clock()
-        self._apply_deferred()
+        # after_handover, called once the drafts are handed over.
+        now = self.lengths.clock()
+        self.settle()
         self._pending = True
         self.trees = {}
-        self.handed = []
+        self.ahead.handed = []
         running = sum(1 for sampled in sampled_token_ids if sampled)
-        alone, self._alone = self._alone, None
-        pad = self.step_costs is not None and running == 1 and len(sampled_token_ids) == 1
-        if pad and alone is not None and self.row_req_ids == [alone[0]]:
-            # The step since the last propose verified that request's draft and nothing else.
-            self._step_time = (alone[1], now - alone[3], alone[2])
+        pad = self.lengths.begin_step(now, running, len(sampled_token_ids), self.row_req_ids)
         self._counts["target_forwards"] += running
         self._counts["output_tokens"] += sum(map(len, sampled_token_ids))
         if self.drafting_off(running):
-            # Verifying drafts for a batch this large costs more than they save.
-            self.last_draft_len.clear()
-            self.row_ahead = []
-            return [[] for _ in sampled_token_ids]
-        drafts: list[list[int]] = []
-        for i, sampled in enumerate(sampled_token_ids):
-            if not sampled:
-                # Partial prefill: nothing was sampled, so there is nothing to continue.
-                drafts.append([])
-                continue
-            num_tokens = int(num_tokens_no_spec[i])
-            req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
-            ahead = self.row_ahead[i] if i < len(self.row_ahead) else None
-            if isinstance(ahead, ReadyDraft):
-                if ahead.made_for(sampled, num_tokens, self.sources_state(i)):
-                    # Made before sampling: its bookkeeping waits for the handover.
-                    self._ready_used.append(ahead)
-                    if ahead.tree is not None:
-                        self.trees[req_id] = ahead.tree
-                    if pad:
-                        self._alone = (req_id, len(ahead.draft), ahead.tree is not None, 0)
-                    if self.drafts_ahead:
-                        self.handed.append((i, req_id, ahead.context, ahead.draft))
-                    drafts.append(ahead.draft)
-                    continue
-                self.precomputed["missed"] += 1
-                ahead = None
-            made = None if ahead is None else ahead.take(sampled, num_tokens,
-                                                         self.sources_state(i), ([], None))
-            if made is not None:
-                self.precomputed["used"] += 1
-                drafted = self.last_draft_len.get(req_id, 0)
-                self._deferred.append((req_id, drafted, min(len(sampled) - 1, drafted)))
-                draft, tree = made
-                self._counts["lookups"] += 1
-                self._counts["empty_lookups"] += not draft
-            else:
-                if ahead is not None:
-                    self.precomputed["missed"] += 1
-                cap = None
-                if req_id is not None and self.acceptance is not None:
-                    # The tokens sampled this step are the accepted part of last step's draft
-                    # plus one the target model chose itself (padding's tokens not counted).
-                    drafted = self.last_draft_len.get(req_id, 0)
-                    self.acceptance.update(req_id, drafted, min(len(sampled) - 1, drafted))
-                    cap = self.acceptance.cap(req_id)
-                max_len = self._max_len(num_tokens, cap)
-                draft, tree = self._safe_draft(i, token_ids_cpu[i, :num_tokens], max_len) \
-                    if max_len > 0 else ([], None)
-            if req_id is not None:
-                self.last_draft_len[req_id] = len(draft)
-                if tree is not None:
-                    self.trees[req_id] = tree
-                elif pad:
-                    padded = self._padded(token_ids_cpu[i, :num_tokens], draft)
-                    self.padded += len(padded) > len(draft)
-                    draft = padded
-                if pad:
-                    self._alone = (req_id, len(draft), tree is not None, 0)
-                if self.drafts_ahead:
-                    # A copy: vLLM may move rows of its buffer before precompute_next runs.
-                    self.handed.append((i, req_id, token_ids_cpu[i, :num_tokens].copy(),
-                                        draft))
-            drafts.append(draft)
-        self.row_ahead = []
-        if self._alone is not None:
-            self._alone = (*self._alone[:3], self.clock())
+            self.lengths.last_drafted.clear()
+            drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        else:
+            # Partial prefills sampled nothing, so there is nothing to continue.
+            drafts = [self._propose_row(i, sampled, int(num_tokens_no_spec[i]), token_ids_cpu,
+                                        pad) if sampled else []
+                      for i, sampled in enumerate(sampled_token_ids)]
+            self.lengths.end_step()
+        self.ahead.row_ahead = []
+        self.method.observe_sampled(SampledStep(
+            self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+            self.ahead.ready_used, self.trees))
         return drafts
 
-    def _padded(self, context: np.ndarray, draft: list[int]) -> list[int]:
-        """``draft`` padded to the length whose steps ``step_costs`` found cheapest among
-        those not shorter, or to a length still to be measured (``StepCostModel.explore``)
-        when the draft is not longer than that."""
-        explore = self.step_costs.explore(len(draft))
-        target = explore if explore is not None else self.step_costs.target(len(draft))
-        target = min(target, self.k, self.max_model_len - len(context) - 1)
-        if target <= len(draft):
-            return draft
-        return pad_to(context, np.asarray(draft, dtype=np.int32), target).tolist()
-
-    def _max_len(self, num_tokens: int, cap: int | None) -> int:
-        # Leave room for the bonus token: a draft may not push past max_model_len.
-        max_len = min(self.k, self.max_model_len - num_tokens - 1)
-        return max_len if cap is None else min(max_len, cap)
-
-    @property
-    def work_after_handover(self) -> bool:
-        """Whether ``precompute_next`` has work once the drafts are handed to vLLM."""
-        return self._pending or bool(self.handed)
-
-    def _apply_deferred(self) -> None:
-        """The bookkeeping of the drafts handed out from drafts made in advance (their caps
-        were already known: acceptance updates, counters), the last step's time
-        (``step_costs``), and the counters, published to Prometheus."""
-        if not self._pending:
-            return
-        self._pending = False
-        if self._step_time is not None:
-            self.step_costs.observe(*self._step_time)
-            self._step_time = None
-        for ready in self._ready_used:
-            self.precomputed["used"] += 1
-            self._deferred.append((ready.req_id, ready.last_drafted,
-                                   min(len(ready.sampled) - 1, ready.last_drafted)))
-            self.last_draft_len[ready.req_id] = ready.drafted
-            self._counts["lookups"] += 1
-            self._counts["empty_lookups"] += not ready.drafted
-            self.padded += len(ready.draft) > ready.drafted
-        self._ready_used = []
-        if self.acceptance is not None:
-            for req_id, drafted, accepted in self._deferred:
-                self.acceptance.update(req_id, drafted, accepted)
-        self._deferred.clear()
-        for name, count in self._counts.items():
-            if count:
-                getattr(self.metrics, name).inc(count)
-        self._counts = dict.fromkeys(self._counts, 0)
-
-    def precompute_next(self) -> None:
-        """The bookkeeping ``propose`` left for later, then the next step's possible drafts for
-        the requests drafted for this step (``drafting.overlap``); the plugin calls this once
-        the drafts are handed to vLLM (``work_after_handover``), before the next ``propose``."""
-        self._apply_deferred()
-        handed, self.handed = self.handed, []
-        for row, req_id, context, draft in handed:
-            try:
-                ahead = self._precompute(row, req_id, context, draft)
-            except Exception:
-                self._fail("exception", "raised while precomputing drafts", exc_info=True)
-                continue
+    def _propose_row(self, i: int, sampled: list[int], num_tokens: int,
+                     token_ids_cpu: np.ndarray, pad: bool) -> list[int]:
+        req_id = self.row_req_ids[i] if i < len(self.row_req_ids) else None
+        ahead = self.ahead.for_row(i)
+        if isinstance(ahead, ReadyDraft):
+            if ahead.made_for(sampled, num_tokens, self.method.snapshot(i)):
+                return self._hand_ready(i, req_id, ahead, pad)
+            self.ahead.precomputed["missed"] += 1
+            ahead = None
+        made = None if ahead is None else ahead.take(sampled, num_tokens, self.method.snapshot(i),
+                                                     ([], None))
+        if made is not None:
+            draft, tree = self._take_precomputed(req_id, sampled, made)
+        else:
             if ahead is not None:
-                self.next_drafts[req_id] = ahead
+                self.ahead.precomputed["missed"] += 1
+            draft, tree = self._draft_now(i, req_id, sampled, token_ids_cpu[i, :num_tokens])
+        if req_id is None:
+            return draft
+        return self._hand_out(i, req_id, draft, tree, token_ids_cpu[i, :num_tokens], pad)
 
-    def _precompute(self, row: int, req_id: str, context: np.ndarray,
-                    drafted: list[int]) -> NextDrafts | None:
-        sources = self.sources_state(row)
-        draft = np.asarray(drafted, dtype=np.int32)
-        contexts = []
-        followers = []
-        complete = []
-        for a in range(len(draft) + 1):
-            extended = np.concatenate([context, draft[:a]])
-            found = self.followers(row, extended)
-            if found is None:
-                return None
-            contexts.append(extended)
-            tokens, all_found = found
-            if a < len(draft):
-                # vLLM's bonus token after a rejected draft token is never that token.
-                tokens = tokens[tokens != draft[a]]
-            followers.append(tokens)
-            complete.append(all_found)
-        # Acceptance counts the draft as drafted: padding's tokens are not evidence.
-        drafted_len = self.last_draft_len.get(req_id, len(draft))
-        caps = [None] * len(contexts) if self.acceptance is None else [
-            self.acceptance.cap_after(req_id, drafted_len, min(a, drafted_len))
-            for a in range(len(contexts))]
-        ahead = NextDrafts(len(context), drafted, sources,
-                           [self._max_len(len(context) + a + 1, caps[a])
-                            for a in range(len(contexts))])
-        plan = precompute_plan(followers, self.config.precompute_max_drafts)
-        for a, b in plan:
-            max_len = ahead.max_lens[a]
-            ahead.drafts[a, b] = self._checked_draft(row, np.append(contexts[a], b), max_len) \
-                if max_len > 0 else ([], None)
-        planned = Counter(a for a, _ in plan)
-        ahead.complete = [complete[a] and planned[a] == len(followers[a])
-                          for a in range(len(contexts))]
-        # A source that changed meanwhile (a new served-store snapshot) may have drafted some
-        # of these differently from the others.
-        return ahead if self.sources_state(row) is sources else None
+    def _hand_ready(self, i: int, req_id: str, ready: ReadyDraft, pad: bool) -> list[int]:
+        """A draft made before sampling, for exactly what the row sampled: its bookkeeping
+        waits for ``settle``."""
+        self.ahead.ready_used.append(ready)
+        if ready.tree is not None:
+            self.trees[req_id] = ready.tree
+        if pad:
+            self.lengths.handed(req_id, len(ready.draft), ready.tree is not None)
+        self.ahead.hand(i, req_id, ready.context, ready.draft, copy=False)
+        return ready.draft
 
-    def drafting_off(self, running: int) -> bool:
-        """No drafts this step: ``running`` requests sampled a token, as many as
-        ``disable_by_batch_size`` or more."""
-        limit = self.config.disable_by_batch_size
-        return bool(limit) and running >= limit
-
-    def stats(self, reset: bool = False) -> dict[str, int]:
-        """Counters the ``rsd_drafting_stats`` worker RPC reports; ``reset`` restarts those that
-        describe a stretch of steps (failures count since start)."""
-        self._apply_deferred()
-        stats = {**{f"failed_{kind}": n for kind, n in self.failures.items()},
-                 **{f"precomputed_{kind}": n for kind, n in self.precomputed.items()}}
-        if self.step_costs is not None:
-            stats.update(self.step_costs.summary())
-        if self.padded:
-            stats["padded_drafts"] = self.padded
-        if reset:
-            self.precomputed.clear()
-            self.padded = 0
-        return stats
-
-    @property
-    def num_failed_drafts(self) -> int:
-        return sum(self.failures.values())
-
-    def _safe_draft(self, row: int, context: np.ndarray,
-                    max_len: int) -> tuple[list[int], TreeDraft | None]:
-        """The row's draft tokens, and the tree when they form one (not a chain)."""
+    def _take_precomputed(self, req_id: str, sampled: list[int],
+                          made: tuple[list[int], TreeDraft | None]
+                          ) -> tuple[list[int], TreeDraft | None]:
+        """A draft precomputed after the last handover (``NextDrafts``): its cap was known."""
+        self.ahead.precomputed["used"] += 1
+        self.lengths.defer_update(req_id, len(sampled), self.lengths.last_drafted.get(req_id, 0))
         self._counts["lookups"] += 1
-        draft, tree = self._checked_draft(row, context, max_len)
+        self._counts["empty_lookups"] += not made[0]
+        return made
+
+    def _draft_now(self, i: int, req_id: str | None, sampled: list[int],
+                   context: np.ndarray) -> tuple[list[int], TreeDraft | None]:
+        max_len = self.lengths.max_len(len(context), self.lengths.cap_now(req_id, len(sampled)))
+        if max_len <= 0:
+            return [], None
+        self._counts["lookups"] += 1
+        draft, tree = self.guard.checked(i, context, max_len, self._tree_row(i))
         self._counts["empty_lookups"] += not draft
         return draft, tree
 
-    def _checked_draft(self, row: int, context: np.ndarray,
-                       max_len: int) -> tuple[list[int], TreeDraft | None]:
-        start = time.perf_counter_ns()
-        draft_row = self.draft_row
-        if self.config.inject_faults and self._fault_rng.random() < self.config.inject_faults:
-            draft_row = self._injected_fault
-        try:
-            draft = draft_row(row, context, max_len)
-        except TimeoutError:
-            self._fail("over_budget", f"waited past its {self.config.draft_budget_ms} ms budget")
-            return [], None
-        except Exception:
-            self._fail("exception", "raised", exc_info=True)
-            return [], None
-        elapsed = time.perf_counter_ns() - start
-        if self.budget_ns and elapsed > self.budget_ns:
-            # The time is spent, but a draft this late would make the step later still
-            # (its verification costs more too); a slow lookup must not become the norm.
-            self._fail("over_budget", f"took {elapsed / 1e6:.2f} ms, over its "
-                                      f"{self.config.draft_budget_ms} ms budget")
-            return [], None
-        tree = None
-        if isinstance(draft, TreeDraft):
-            # Only greedy requests are verified as trees: the others get the tree's chain.
-            if row < len(self.tree_rows) and self.tree_rows[row] and self.branches_pay(draft):
-                tree, draft = draft, draft.tokens
-            else:
-                draft = draft.chain()
-        if len(draft) > max_len:
-            self._fail("too_long", f"returned {len(draft)} tokens, more than the allowed {max_len}")
-            return [], None
-        if len(draft) and (draft.min() < 0 or draft.max() >= self.vocab_size):
-            self._fail("out_of_vocabulary",
-                       f"returned token ids outside [0, {self.vocab_size}): {draft.tolist()}")
-            return [], None
-        if tree is not None and (len(tree.parents) != len(draft)
-                                 or not valid_tree(tree.parents)):
-            self._fail("bad_tree", f"returned a tree whose parents {tree.parents.tolist()} are "
-                                   "not in topological order")
-            return [], None
-        if too_short(len(draft), max_len, self.config.min_draft_len):
-            return [], None
-        return draft.tolist(), None if tree is None or is_chain(tree.parents) else tree
+    def _hand_out(self, i: int, req_id: str, draft: list[int], tree: TreeDraft | None,
+                  context: np.ndarray, pad: bool) -> list[int]:
+        self.lengths.last_drafted[req_id] = len(draft)
+        if tree is not None:
+            self.trees[req_id] = tree
+        elif pad:
+            padded = self.lengths.padded_draft(context, draft)
+            self.lengths.padded += len(padded) > len(draft)
+            draft = padded
+        if pad:
+            self.lengths.handed(req_id, len(draft), tree is not None)
+        self.ahead.hand(i, req_id, context, draft, copy=True)
+        return draft
 
-    def branches_pay(self, tree: TreeDraft) -> bool:
-        """Whether the nodes beside the tree's chain are expected to add more tokens than they
-        cost: their verification (``tree_min_prob`` each, as ``best_tree`` adds them) and a
-        tree step's fixed cost as measured (``StepCostModel.tree_extra``), both scaled, as
-        ``tree_min_prob`` is, by how much the trie overstates a branch's chances. Yes while
-        that cost is not measured: only tree steps measure it."""
-        extra = None if self.step_costs is None else self.step_costs.tree_extra()
-        if extra is None:
-            return True
-        branches = len(tree.tokens) - tree.chain_len
-        return tree.branch_prob - branches * self.config.tree_min_prob >= TREE_COST_FACTOR * extra
+    @property
+    def has_work_after_handover(self) -> bool:
+        return self._pending or bool(self.ahead.handed)
 
-    def _injected_fault(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
-        kind = next(self._fault_kinds)
-        if kind == "raise":
-            raise RuntimeError("injected fault (inject_faults)")
-        if kind == "too_long":
-            return np.ones(max_len + 1, dtype=np.int32)
-        if kind == "out_of_vocabulary":
-            return np.asarray([self.vocab_size], dtype=np.int32)
-        time.sleep(2 * self.config.draft_budget_ms / 1e3)
-        return self.draft_row(row, context, max_len)
+    def after_handover(self) -> None:
+        """The bookkeeping ``propose`` left for later, then the next step's possible drafts for
+        the requests drafted for this step (``drafting.overlap``)."""
+        self.settle()
+        self.ahead.precompute_next(self._tree_row, self.failures.record)
 
-    def _fail(self, kind: str, what: str, exc_info: bool = False) -> None:
-        self.failures[kind] += 1
-        self.metrics.failed_draft(kind)
-        if self.failures[kind] == 1:
-            logger.error(
-                "%s drafting %s; that request gets no draft this step (the first %r event is "
-                "logged, later ones only counted: see failures)", type(self).__name__, what,
-                kind, exc_info=exc_info)
+    def settle(self) -> None:
+        """The bookkeeping of the last ``propose``, off the critical path: the method's own,
+        the drafts handed out from drafts made before sampling (their caps were already
+        known: acceptance updates, counters), the last step's time, and the counters,
+        published to Prometheus."""
+        self.method.settle()
+        if not self._pending:
+            return
+        self._pending = False
+        for ready in self.ahead.ready_used:
+            self.ahead.precomputed["used"] += 1
+            self.lengths.defer_update(ready.req_id, len(ready.sampled), ready.last_drafted)
+            self.lengths.last_drafted[ready.req_id] = ready.drafted
+            self._counts["lookups"] += 1
+            self._counts["empty_lookups"] += not ready.drafted
+            self.lengths.padded += len(ready.draft) > ready.drafted
+        self.ahead.ready_used = []
+        self.lengths.settle()
+        self.metrics.publish(self._counts)
+
+    def report_failure(self, kind: str, what: str, exc_info: bool = False) -> None:
+        self.failures.record(kind, what, exc_info=exc_info)
+
+    def observe_drafting_time(self, critical_s: float | None, total_s: float | None) -> None:
+        if critical_s is not None:
+            self.metrics.drafting_critical_seconds.observe(critical_s)
+        if total_s is not None:
+            self.metrics.drafting_seconds.observe(total_s)
+
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        """Failures count since start; ``reset`` restarts the counters that describe a stretch
+        of steps."""
+        self.settle()
+        stats = {**{f"failed_{kind}": n for kind, n in self.failures.counts.items()},
+                 **{f"precomputed_{kind}": n for kind, n in self.ahead.precomputed.items()},
+                 **self.lengths.stats(reset)}
+        if reset:
+            self.ahead.precomputed.clear()
+        return {**stats, **self.method.stats(reset)}
+
+    @property
+    def num_failed_drafts(self) -> int:
+        return self.failures.total
+
+    def close(self) -> None:
+        self.settle()
+        self.method.close()
+
+
+#: What the plugin hands vLLM as the ``custom_class`` of every method.
+PROPOSER_CLASS = f"{RetrievalProposer.__module__}.{RetrievalProposer.__qualname__}"
+
+__all__ = ["PROPOSER_CLASS", "NextDrafts", "RetrievalProposer", "SampledStep"]

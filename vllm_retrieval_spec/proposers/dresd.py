@@ -1,113 +1,62 @@
 """DReSD (arXiv 2502.15572): drafts from a dense datastore searched with the last hidden state.
 
-A key is the projected final hidden state at some corpus position p; that state predicted
-token p + 1. The query is the state that predicted the token just emitted, so a neighbour
-agrees with the request only if its stored next token is that token (DReSD's filter); the tokens
-after it are the neighbour's draft. The kept neighbours' continuations are voted in a trie,
-weighted by similarity, and the best-supported chain is drafted with an adaptive length.
+The dense index (``sources.dense``) is searched with the state that predicted the token just
+emitted; the neighbours whose stored next token is that token vote their continuations in a
+trie, weighted by similarity, and the best-supported chain is drafted.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numba
 import numpy as np
 
-from vllm_retrieval_spec.config import DresdConfig, HybridConfig
-from vllm_retrieval_spec.datastore.dense import DenseIndex, Projection
-from vllm_retrieval_spec.datastore.format import SEPARATOR
-from vllm_retrieval_spec.datastore.suffix_array import copy_continuation
-from vllm_retrieval_spec.drafting.tree import TreeDraft, select_draft
-from vllm_retrieval_spec.proposers.base import RetrievalProposer
+from vllm_retrieval_spec.config import DresdConfig
+from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
+from vllm_retrieval_spec.datastore.dense import DenseIndex
+from vllm_retrieval_spec.drafting.adaptive import drafting_off
+from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
+from vllm_retrieval_spec.drafting.trie import TrieDrafter
+from vllm_retrieval_spec.sources.dense import (
+    DenseSource, matching_continuations, project_last_states)
+
+#: (neighbours [m, top_n], similarities [m, top_n], ns spent searching)
+Searched = tuple[np.ndarray, np.ndarray, int]
 
 
-@numba.njit(cache=True)
-def matching_continuations(tokens: np.ndarray, positions: np.ndarray, neighbours: np.ndarray,
-                           scores: np.ndarray, emitted: int,
-                           continuation_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Continuations of the neighbours whose stored next token is ``emitted``.
-
-    ``neighbours`` index ``positions`` (-1 = no hit); a continuation starts two tokens after the
-    key's position and stops at SEPARATOR. Returns (cands int32 [m, continuation_len] padded
-    with -1, lengths int32 [m], weights float64 [m]: similarity, floored at 0).
-    """
-    m = neighbours.shape[0]
-    cands = np.full((m, continuation_len), SEPARATOR, dtype=np.int32)
-    lengths = np.zeros(m, dtype=np.int32)
-    weights = np.zeros(m, dtype=np.float64)
-    size = tokens.shape[0]
-    kept = 0
-    for i in range(m):
-        if neighbours[i] < 0:
-            continue
-        pos = positions[neighbours[i]] + 1
-        if pos >= size or tokens[pos] != emitted:
-            continue
-        lengths[kept] = copy_continuation(tokens, pos + 1, cands[kept])
-        weights[kept] = max(scores[i], 0.0)
-        kept += 1
-    return cands[:kept], lengths[:kept], weights[:kept]
-
-
-def load_dense_index(config: DresdConfig | HybridConfig, model_config: Any) -> DenseIndex:
-    """The datastore's dense index, opened in the worker by the proposers that search it. The
-    front-end already checked the model, dtype, checksums and tokenizer
-    (``plugin.validate_against_model``)."""
-    return DenseIndex.from_path(config.datastore, hidden_size=model_config.get_hidden_size(),
-                                search=config.search, verify_checksums=False)
-
-
-def dresd_draft(index: DenseIndex, neighbours: np.ndarray, scores: np.ndarray, emitted: int,
-                max_len: int, config: DresdConfig) -> np.ndarray | TreeDraft:
-    """The best chain of the neighbours' continuations after the ``emitted`` filter."""
-    cands, lengths, weights = matching_continuations(
-        index.tokens, index.positions, neighbours, scores, emitted, max_len)
-    return select_draft(cands, lengths, weights, max_len, config)
-
-
-def project_last_states(projection: Projection, states: Any,
-                        rows: list[int]) -> tuple[np.ndarray, list[int]]:
-    """Queries for the batch rows that sampled a token: ``states[rows[i]]`` produced row i's
-    last token (row -1: nothing sampled). Returns (unit queries float32 [m, d], the m batch
-    rows they belong to)."""
-    valid = [i for i, row in enumerate(rows) if row >= 0]
-    if not valid:
-        return np.empty((0, projection.components.shape[1]), dtype=np.float32), valid
-    return projection(states[[rows[i] for i in valid]]), valid
-
-
-class DresdProposer(RetrievalProposer):
-    """Projects the batch's last hidden states (``record_last_hidden_states``, called by the
-    plugin each step before ``propose``), searches them, and drafts per request.
+class DenseSearches:
+    """This step's searches of the batch's last states, each row's neighbours for
+    ``DenseSource``.
 
     With more than one request the searches run in a thread pool while earlier rows are voted;
     ``search_ns`` (time spent searching) against ``search_wait_ns`` (time drafting waited for a
     search) says how much of the search time was hidden.
 
-    With ``precompute_drafts`` the search starts before sampling (``search_ahead``, called by
-    the plugin right after the forward): every state the forward computed that could be a
-    request's last one (the root's and each draft token's: which one depends on how many draft
-    tokens are accepted) is projected and searched in the pool while vLLM computes the logits,
-    samples and does its bookkeeping; once the sampled tokens are known each request keeps the
-    search of its own state. With ``draft_before_sampling`` a greedy request's last state is
-    known from the logits: it is searched (or its search ahead taken) and the draft made
-    before vLLM samples (``RetrievalProposer.draft_before_sampling``).
+    With ``precompute`` the search starts before sampling (``search_ahead``): every state the
+    forward computed that could be a request's last one (the root's and each draft token's:
+    which one depends on how many draft tokens are accepted) is projected and searched in the
+    pool while vLLM computes the logits, samples and does its bookkeeping; once the sampled
+    tokens are known each request keeps the search of its own state.
     """
 
-    config: DresdConfig
-
-    def __init__(self, vllm_config: Any) -> None:
-        super().__init__(vllm_config)
-        self.index = load_dense_index(self.config, vllm_config.model_config)
-        self.pool = ThreadPoolExecutor(self.config.search_threads,
-                                       thread_name_prefix="dresd-search")
+    def __init__(self, index: DenseIndex, top_n: int, threads: int, precompute: bool,
+                 budget_s: float, disable_by_batch_size: int,
+                 report: Callable[..., None]) -> None:
+        self.index = index
+        self.top_n = top_n
+        self.threads = threads
+        self.precompute = precompute
+        self.budget_s = budget_s
+        self.disable_by_batch_size = disable_by_batch_size
+        self.report = report
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dresd-search")
         #: This step's searches (futures until first consumed) and each batch row's
         #: (chunk, row within chunk).
-        self.chunks: list[Future | tuple[np.ndarray, np.ndarray, int]] = []
+        self.chunks: list[Future | Searched] = []
         self.row_chunk: list[tuple[int, int] | None] = []
         self.search_ns = 0
         self.search_wait_ns = 0
@@ -117,28 +66,27 @@ class DresdProposer(RetrievalProposer):
         #: Steps whose searches ran in the pool from right after the forward ("ahead") or
         #: started once the rows' last states were known ("after").
         self.searched: Counter[str] = Counter()
-        #: The rows this step's searches are for (``record_last_hidden_states``).
+        #: The rows this step's searches are for (``record``).
         self.searched_rows: list[int] | None = None
-        # Compile the numba functions now rather than inside the first decoding step.
-        dresd_draft(self.index, np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32), 0,
-                    self.k, self.config)
+
+    def new_step(self) -> None:
+        # Also where nothing was searched ahead: this step's states are searched anew.
+        self.searched_rows = None
 
     def search_ahead(self, candidates: Any) -> None:
         """Start projecting and searching ``candidates`` (the rows of the step's sampled hidden
-        states, [m, H]) in the pool, before the sampled tokens are known (with
-        ``precompute_drafts``); they are kept for ``draft_before_sampling``."""
-        self.forward_states = candidates
+        states, [m, H]) in the pool, before the sampled tokens are known."""
         self.searched_rows = None
         if not self.precompute:
             return
         self.ahead = self.pool.submit(self._project_and_search, candidates)
         self.ahead_rows = int(candidates.shape[0])
 
-    def _project_and_search(self, candidates: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    def _project_and_search(self, candidates: Any) -> Searched:
         return self._search(project_last_states(self.index.projection, candidates,
                                                 list(range(candidates.shape[0])))[0])
 
-    def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
+    def record(self, states: Any, rows: list[int]) -> None:
         """``states[rows[i]]`` is the final hidden state that produced batch row i's last
         sampled token (row -1: nothing was sampled). Takes their searches from ``search_ahead``
         when it searched these states; else projects them and starts the searches: one batched
@@ -157,19 +105,19 @@ class DresdProposer(RetrievalProposer):
             self.row_chunk = [(0, row) if row >= 0 else None for row in rows]
             self.searched["ahead"] += 1
             return
-        if self.drafting_off(sum(row >= 0 for row in rows)):
+        if drafting_off(sum(row >= 0 for row in rows), self.disable_by_batch_size):
             # propose() will draft nothing: neither project nor search.
             return
         try:
             queries, valid = project_last_states(self.index.projection, states, rows)
         except Exception:
             # No query, no draft: the engine goes on.
-            self._fail("exception", "could not project hidden states", exc_info=True)
+            self.report("exception", "could not project hidden states", exc_info=True)
             return
         if not valid:
             return
         self.searched["after"] += 1
-        num_chunks = 1 if len(valid) == 1 else min(len(valid), 2 * self.config.search_threads)
+        num_chunks = 1 if len(valid) == 1 else min(len(valid), 2 * self.threads)
         bounds = np.linspace(0, len(valid), num_chunks + 1).astype(int)
         for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             chunk = queries[lo:hi]
@@ -178,27 +126,22 @@ class DresdProposer(RetrievalProposer):
             for j, i in enumerate(valid[lo:hi]):
                 self.row_chunk[i] = (c, j)
 
-    def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None) -> None:
-        super().observe_batch(req_ids, tree_rows)
-        # A new step (also where nothing was searched ahead): its states are searched anew.
-        self.searched_rows = None
-
-    def _search(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def _search(self, queries: np.ndarray) -> Searched:
         start = time.perf_counter_ns()
-        neighbours, scores = self.index.search(queries, self.config.top_n)
+        neighbours, scores = self.index.search(queries, self.top_n)
         return neighbours, scores, time.perf_counter_ns() - start
 
-    def draft_row(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
+    def neighbours(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
         where = self.row_chunk[row] if row < len(self.row_chunk) else None
         if where is None:
-            return np.empty(0, dtype=np.int32)
+            return None
         c, j = where
         result = self.chunks[c]
         if isinstance(result, Future):
             start = time.perf_counter_ns()
             # A search still running past the budget costs this request its draft (TimeoutError,
             # counted by the caller), not the step its time.
-            result = result.result(timeout=self.budget_ns / 1e9 or None)
+            result = result.result(timeout=self.budget_s or None)
             self.search_wait_ns += time.perf_counter_ns() - start
             self.search_ns += result[2]
             self.chunks[c] = result
@@ -207,11 +150,61 @@ class DresdProposer(RetrievalProposer):
             self.search_ns += result[2]
             self.search_wait_ns += result[2]
         neighbours, scores, _ = result
-        return dresd_draft(self.index, neighbours[j], scores[j], int(context[-1]), max_len,
-                           self.config)
+        return neighbours[j], scores[j]
 
-    def stats(self, reset: bool = False) -> dict[str, int]:
-        return {**super().stats(reset), "search_ns": self.search_ns,
-                "search_wait_ns": self.search_wait_ns,
+    def stats(self) -> dict[str, int]:
+        return {"search_ns": self.search_ns, "search_wait_ns": self.search_wait_ns,
                 "searched_ahead": self.searched["ahead"],
                 "searched_after": self.searched["after"]}
+
+
+class DresdDrafter(MethodDrafter):
+    """Searches the batch's last hidden states (``DenseSearches``) and votes each row's
+    neighbours (``DenseSource``)."""
+
+    def __init__(self, config: DresdConfig, index: DenseIndex, report: Callable[..., None]
+                 ) -> None:
+        drafting = config.drafting
+        self.index = index
+        self.searches = DenseSearches(
+            index, config.search.top_n, config.search_threads,
+            drafting.precompute_drafts and not drafting.inject_faults,
+            drafting.draft_budget_ms / 1e3, drafting.disable_by_batch_size, report)
+        self.trie = TrieDrafter([DenseSource(index, self.searches.neighbours)],
+                                TrieSelection(config.trie, drafting.min_draft_len))
+        self.capabilities = Capabilities(last_hidden_states=True,
+                                         trees=config.trie.tree == "on")
+
+    def draft(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray | TreeDraft:
+        return self.trie.draft(row, context, max_len)
+
+    def begin_step(self, req_ids: list[str], served_keys: list[str | None] | None) -> None:
+        self.searches.new_step()
+
+    def search_ahead(self, states: Any) -> None:
+        self.searches.search_ahead(states)
+
+    def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
+        self.searches.record(states, rows)
+
+    def warm_up(self, max_len: int) -> None:
+        candidates, lengths, weights = matching_continuations(
+            self.index.tokens, self.index.positions, np.zeros(1, dtype=np.int64),
+            np.ones(1, dtype=np.float32), 0, max_len)
+        self.trie.selection.select(candidates, lengths, weights, max_len)
+
+    def stats(self, reset: bool) -> dict[str, int]:
+        return self.searches.stats()
+
+    def close(self) -> None:
+        self.searches.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_drafter(config: DresdConfig, vllm_config: Any,
+                 report: Callable[..., None]) -> DresdDrafter:
+    # The front-end already checked the model, dtype, checksums and tokenizer
+    # (``config.model.validate_against_model``).
+    index = DenseIndex.from_path(config.store.datastore,
+                                 hidden_size=vllm_config.model_config.get_hidden_size(),
+                                 search=config.search.search, verify_checksums=False)
+    return DresdDrafter(config, index, report)

@@ -47,3 +47,24 @@ def unit_rows(states: np.ndarray) -> np.ndarray:
     """Rows scaled to unit length (cosine similarity becomes a dot product)."""
     norms = np.linalg.norm(states, axis=1, keepdims=True)
     return states / np.maximum(norms, 1e-12)
+
+
+def accepted_state_segments(req_ids: list[str], num_scheduled: dict[str, int],
+                            scheduled_drafts: dict[str, list[int]], num_computed: np.ndarray,
+                            sampled_token_ids: list[list[int]]) -> list[tuple[int, int, int]]:
+    """For each batch row: (first position, first row in this step's states, rows to keep).
+
+    A row's scheduled tokens are contiguous in the step's states, in batch order. Their states
+    belong to the context only up to the last accepted draft token: rejected drafts' states
+    are dropped (a prefill chunk keeps all of its tokens).
+    """
+    segments = []
+    offset = 0
+    for i, req_id in enumerate(req_ids):
+        scheduled = num_scheduled.get(req_id, 0)
+        drafted = len(scheduled_drafts.get(req_id, ()))
+        sampled = sampled_token_ids[i] if i < len(sampled_token_ids) else []
+        rejected = drafted - (len(sampled) - 1) if drafted and sampled else drafted
+        segments.append((int(num_computed[i]), offset, scheduled - rejected))
+        offset += scheduled
+    return segments

@@ -1,0 +1,329 @@
+"""One frozen config per method, composed of the option groups it uses (``config.options``).
+
+Users pass one flat dict, as for vLLM's own methods::
+
+    speculative_config={"method": "rest", "num_speculative_tokens": 8, "datastore": "ds/stdlib"}
+
+``parse_speculative_config`` turns it into the method's config once, at start-up, in the process
+that builds the engine config; every bad value fails there with a message that names the option
+and what is allowed. The worker re-creates the same config from ``additional_config``
+(``to_dict`` and ``config_from_dict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm_retrieval_spec.config.options import (
+    MAX_SPECULATIVE_TOKENS,
+    TREE_COST_FACTOR,
+    ConfigError,
+    ContextOptions,
+    DatastoreOptions,
+    DenseOptions,
+    DenseSearchOptions,
+    DraftingOptions,
+    MatchOptions,
+    ServedDenseOptions,
+    ServedOptions,
+    TrieOptions,
+    check_range,
+)
+from vllm_retrieval_spec.config.platform import PlatformDefaults
+
+#: Key under which our options travel in ``VllmConfig.additional_config``.
+PLUGIN_KEY = "vllm_retrieval_spec"
+
+_GROUPS = (DraftingOptions, TrieOptions, MatchOptions, DatastoreOptions, DenseSearchOptions,
+           ContextOptions, DenseOptions, ServedOptions, ServedDenseOptions)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodConfig:
+    """A method's options: its option groups (fields typed with a group) and options of its
+    own (any other field). Option names are unique across a method's groups, so the flat dict
+    a user passes maps onto them one to one."""
+
+    method: ClassVar[str]
+    #: The method's module: its ``make_drafter(config, vllm_config, report)`` builds the
+    #: method's ``contract.MethodDrafter`` in the worker.
+    module: ClassVar[str]
+    #: This method's defaults for options of its groups, where they differ from the group's.
+    DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    drafting: DraftingOptions
+
+    def __post_init__(self) -> None:
+        trie = getattr(self, "trie", None)
+        if trie is not None and trie.tree_min_prob is None:
+            # Frozen: the derived value is set once, here, and travels in to_dict().
+            object.__setattr__(self, "trie", dataclasses.replace(trie, tree_min_prob=round(
+                TREE_COST_FACTOR * self.drafting.draft_token_cost, 4)))
+        self.check_own()
+        for name in self._groups():
+            getattr(self, name).check(self.method)
+
+    def check_own(self) -> None:
+        """Checks of the method's own options and across its groups."""
+
+    @classmethod
+    @functools.cache
+    def _groups(cls) -> dict[str, type]:
+        """Field name -> option group class, in field order."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+                if hints[f.name] in _GROUPS}
+
+    @classmethod
+    @functools.cache
+    def option_types(cls) -> dict[str, Any]:
+        """Every flat option name -> its type hint."""
+        groups = cls._groups()
+        names: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in groups:
+                names.update(typing.get_type_hints(groups[f.name]))
+            else:
+                names[f.name] = typing.get_type_hints(cls)[f.name]
+        return names
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> MethodConfig:
+        """The config of flat ``options`` (every required one present)."""
+        values = {**cls.DEFAULTS, **options}
+        kwargs: dict[str, Any] = {}
+        groups = cls._groups()
+        for f in dataclasses.fields(cls):
+            if f.name in groups:
+                group = groups[f.name]
+                kwargs[f.name] = group(**{g.name: values[g.name]
+                                          for g in dataclasses.fields(group) if g.name in values})
+            elif f.name in values:
+                kwargs[f.name] = values[f.name]
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {"method": self.method}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flat.update(dataclasses.asdict(value) if f.name in self._groups()
+                        else {f.name: value})
+        return flat
+
+
+def _require_datastore(method: str, path: str, built_with: str) -> None:
+    if not path:
+        raise ConfigError(f"speculative_config['datastore'] is required for method {method!r}: "
+                          f"{built_with}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestConfig(MethodConfig):
+    """REST: exact suffix match in a token datastore (paper: arXiv 2311.08252)."""
+
+    method: ClassVar[str] = "rest"
+    module: ClassVar[str] = "vllm_retrieval_spec.proposers.rest"
+
+    trie: TrieOptions
+    match: MatchOptions
+    store: DatastoreOptions
+
+    def check_own(self) -> None:
+        _require_datastore(self.method, self.store.datastore,
+                           "the directory written by `vllm-rsd build-datastore`")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PldConfig(MethodConfig):
+    """PLD: n-gram lookup in the request's own context (baseline of arXiv 2412.01447)."""
+
+    method: ClassVar[str] = "pld"
+    module: ClassVar[str] = "vllm_retrieval_spec.proposers.pld"
+
+    trie: TrieOptions
+    match: MatchOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class PldPlusConfig(MethodConfig):
+    """PLD+ (arXiv 2412.01447, "PLD+(h)"): earlier occurrences of the last token, ranked by the
+    cosine similarity of an early layer's hidden state before each occurrence with the one
+    before the last token; the best one's continuation is the draft."""
+
+    method: ClassVar[str] = "pld_plus"
+    module: ClassVar[str] = "vllm_retrieval_spec.proposers.pld_plus"
+
+    #: Residual stream after this many decoder layers (0 = embeddings); checked against the
+    #: model's depth at start-up. The paper found layers 9-13 of 32 best for Vicuna; for
+    #: SmolLM2 (30 layers) 15 beat 2-12 and 20 when replaying HumanEval, Lee-corpus and
+    #: code-edit prompts 20-39 (benchmarks/replay.py).
+    layer: int = 15
+    #: Occurrences less similar than this are not drafted from (the paper's theta).
+    min_similarity: float
+    #: Only the most recent occurrences are ranked, bounding the cost per step.
+    max_candidates: int = 256
+
+    def check_own(self) -> None:
+        check_range(self.method, self, "layer", 0, 1024)
+        check_range(self.method, self, "min_similarity", -1.0, 1.0)
+        check_range(self.method, self, "max_candidates", 1, 1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DresdConfig(MethodConfig):
+    """DReSD (arXiv 2502.15572): the last hidden state, projected (z-norm, PCA, L2), searched in
+    a dense index; neighbours whose stored next token is the token just emitted vote their
+    continuations."""
+
+    method: ClassVar[str] = "dresd"
+    module: ClassVar[str] = "vllm_retrieval_spec.proposers.dresd"
+    #: Lower than REST's 0.3: the similarity-weighted votes of a few neighbours are rarely
+    #: unanimous. 0.2 beat 0.1, 0.25, 0.3 and 0.4 replaying HumanEval prompts 20-39 against the
+    #: model's own answers to prompts 40-163.
+    DEFAULTS: ClassVar[dict[str, Any]] = {"min_prefix_prob": 0.2}
+
+    trie: TrieOptions
+    store: DatastoreOptions
+    search: DenseSearchOptions
+    #: Threads searching the batch's queries while drafts are voted (batch > 1).
+    search_threads: int = 2
+
+    def check_own(self) -> None:
+        _require_datastore(self.method, self.store.datastore,
+                           "a directory built with `vllm-rsd build-datastore --dense`")
+        check_range(self.method, self, "search_threads", 1, 64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig(MethodConfig):
+    """Every source in one trie (``proposers.hybrid``): the request's own context, what this
+    engine has served, and, with a datastore, its suffix array and its dense index.
+
+    Weights make the sources comparable: each occurrence of the context match votes
+    ``context_weight`` x match length, the served store's and the datastore's suffix matches
+    share ``served_weight`` and 1 x their match length, and the dense neighbours that pass the
+    next-token filter share ``dense_weight`` x their similarity / ``top_n``.
+    """
+
+    method: ClassVar[str] = "hybrid"
+    module: ClassVar[str] = "vllm_retrieval_spec.proposers.hybrid"
+    #: Tuned together by replaying plain outputs of prompts 20-39 of every task (code-gen,
+    #: code-edit, summarize, chat) against the model's own answers to prompts 40 and up
+    #: (benchmarks/results/tuning/hybrid-tuning.md); the best geometric mean of modelled speedup
+    #: over the four tasks won, on a plateau: neighbours were within 1%.
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        # Lower than REST's 0.3 and a weaker prior: several sources rarely agree unanimously.
+        "min_prefix_prob": 0.2, "prior_weight": 1.0,
+        # The stores' matches go down to one token too (see context_min_match_len).
+        "min_match_len": 1,
+        # With max_spec_factor the acceptance-based cap only costs tokens (below).
+        "adaptive_draft_len": False,
+    }
+
+    trie: TrieOptions
+    match: MatchOptions
+    store: DatastoreOptions
+    search: DenseSearchOptions
+    context: ContextOptions
+    dense: DenseOptions
+    served: ServedOptions
+    served_dense: ServedDenseOptions
+    #: Drafts are at most this many times as long as the longest exact match behind them
+    #: (0 = no such cap): an n-token match predicts about n tokens. With this cap, drafts as
+    #: long as 24 tokens pay, and the acceptance-based cap only costs tokens, so it is off by
+    #: default (replay of prompts 20-39 at k = 24, all four tasks: factor 2 without the
+    #: acceptance cap beat 0.5, 1, 1.5 and 3, with or without it;
+    #: benchmarks/results/tuning/served-tuning.md).
+    max_spec_factor: float = 2.0
+    #: With ``tree: "on"``: total vote of the continuations of the last token's every earlier
+    #: occurrence (context and served store), shared among them; they become the tree's
+    #: branches beside the longest match's (0 = none). Replay (tree-tuning.md): 4 beat 1, 8
+    #: and 16 at the default threshold.
+    tree_branch_weight: float = 4.0
+
+    def check_own(self) -> None:
+        served = self.served.served_store
+        if served == "off":
+            # With a served store hybrid drafts from the first request on without a datastore.
+            _require_datastore(self.method, self.store.datastore,
+                               "the directory written by `vllm-rsd build-datastore`")
+        check_range(self.method, self, "max_spec_factor", 0.0, 64.0)
+        check_range(self.method, self, "tree_branch_weight", 0.0, 1e6)
+        if self.served_dense.served_dense and served != "shared":
+            raise ConfigError(
+                f"speculative_config['served_dense'] needs served_store 'shared', got {served!r}")
+        if self.served.served_datastore and served != "shared":
+            raise ConfigError(
+                "speculative_config['served_datastore'] needs served_store 'shared': with "
+                f"{served!r} " + ("nothing is stored to save" if served == "off"
+                                  else "the stores by key are not saved"))
+        if self.dense.dense == "on" and not self.store.datastore:
+            raise ConfigError("speculative_config['dense']='on' needs a 'datastore' with a "
+                              "dense index")
+
+
+METHODS: dict[str, type[MethodConfig]] = {
+    cls.method: cls for cls in (RestConfig, PldConfig, PldPlusConfig, HybridConfig, DresdConfig)
+}
+
+
+def parse_speculative_config(options: dict[str, Any], platform: PlatformDefaults
+                             ) -> MethodConfig:
+    """Validate a user's speculative_config dict for one of our methods; options it leaves out
+    that depend on the platform come from ``platform``."""
+    options = {str(k).replace("-", "_"): v for k, v in options.items()}
+    method = options.pop("method", None)
+    if method not in METHODS:
+        raise ConfigError(
+            f"speculative_config['method']={method!r} is not a retrieval method; "
+            f"choose one of {sorted(METHODS)}"
+        )
+    cls = METHODS[method]
+    types_ = cls.option_types()
+    unknown = sorted(set(options) - set(types_))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {unknown} for method {method!r}; allowed: {sorted(types_)}"
+        )
+    if "num_speculative_tokens" not in options:
+        raise ConfigError(
+            f"speculative_config['num_speculative_tokens'] is required for method {method!r} "
+            f"(an integer in [1, {MAX_SPECULATIVE_TOKENS}])"
+        )
+    values = {name: _coerce(name, value, types_[name]) for name, value in options.items()}
+    return cls.from_options({**platform.for_options(set(types_)), **values})
+
+
+def config_from_dict(data: dict[str, Any]) -> MethodConfig:
+    """Inverse of ``MethodConfig.to_dict`` (the worker side of ``additional_config``): every
+    option is there already, the platform's defaults included."""
+    data = dict(data)
+    cls = METHODS.get(data.pop("method", None))
+    if cls is None:
+        raise ConfigError(f"additional_config holds no retrieval method: {data}")
+    return cls.from_options(data)
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Accept JSON-typed values (the server passes JSON); reject everything else clearly."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if bool in allowed and isinstance(value, bool):
+        return value
+    if int in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if float in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"speculative_config[{name!r}]={value!r} must be finite")
+        return float(value)
+    if str in allowed and isinstance(value, str):
+        return value
+    names = " or ".join(t.__name__ for t in allowed)
+    raise ConfigError(
+        f"speculative_config[{name!r}]={value!r} has type {type(value).__name__}; expected {names}"
+    )

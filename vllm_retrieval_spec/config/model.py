@@ -1,0 +1,60 @@
+"""Start-up checks that need the target model, run once in the process that builds the engine
+config: a datastore must hold the model's tokens (its tokenizer's fingerprint), a dense index
+the model's own hidden states, and a hidden-state layer must exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vllm_retrieval_spec.config.methods import (
+    DresdConfig, HybridConfig, MethodConfig, PldPlusConfig)
+from vllm_retrieval_spec.config.options import ConfigError
+
+
+def validate_against_model(config: MethodConfig, model_config: Any) -> None:
+    if isinstance(config, PldPlusConfig):
+        depth = model_config.hf_text_config.num_hidden_layers
+        if config.layer > depth:
+            raise ConfigError(
+                f"speculative_config['layer']={config.layer} is out of range for this model: "
+                f"it has {depth} layers, so the layer must be in [0, {depth}]")
+    from vllm_retrieval_spec.datastore.format import MANIFEST_FILE
+
+    store = getattr(config, "store", None)
+    datastore = store.datastore if store is not None else ""
+    verify = store.verify_checksums if store is not None else True
+    served = config.served.served_datastore if isinstance(config, HybridConfig) else ""
+    saved = bool(served) and (Path(served) / MANIFEST_FILE).is_file()
+    if not datastore and not saved:
+        return
+    from transformers import AutoTokenizer
+
+    from vllm_retrieval_spec.datastore.dense import check_dense_index, dense_index_in_use
+    from vllm_retrieval_spec.datastore.format import load_datastore, tokenizer_fingerprint
+    from vllm_retrieval_spec.model_files import model_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_config.tokenizer,
+        revision=model_config.tokenizer_revision,
+        trust_remote_code=model_config.trust_remote_code,
+    )
+    fingerprint = tokenizer_fingerprint(tokenizer)
+
+    def check(path: str, dense: bool) -> None:
+        if dense:
+            # Its keys are hidden states: they must be this model's, in this dtype.
+            check_dense_index(
+                path, expected_tokenizer_fingerprint=fingerprint,
+                hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
+                expected_model_fingerprint=model_fingerprint(model_config.model),
+                verify_checksums=verify)
+        else:
+            # Tokens of another tokenizer would draft nonsense, or ids outside the vocabulary.
+            load_datastore(path, expected_fingerprint=fingerprint, verify_checksums=verify)
+
+    if saved:
+        check(served, config.served_dense.served_dense and dense_index_in_use(served, "auto"))
+    if datastore:
+        check(datastore, isinstance(config, DresdConfig) or (
+            isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense.dense)))

@@ -1,0 +1,111 @@
+"""Which requests the served store learns from: each running request's tokens as the drafter
+sees them, handed to the store when the request leaves the batch (``datastore.served``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
+from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore
+
+
+class ServedRequests:
+    """Each running request's tokens as last seen by the drafter, handed to a ``ServedStore``
+    (or, with keys, to its key's store in ``KeyedServedStores``) when the request leaves the
+    batch.
+
+    vLLM gives a ``custom_class`` drafter no "request finished" call: a request is finished
+    (or preempted; a resumed one replaces its entry) when it is no longer in the batch.
+    """
+
+    def __init__(self, store: ServedStore | KeyedServedStores, include_prompts: bool,
+                 dense: ServedDenseStore | None = None) -> None:
+        self.store = store
+        self.include_prompts = include_prompts
+        #: The dense half, fed with each finished request's final hidden states.
+        self.dense = dense
+        #: Request id -> (prompt length, buffer, tokens in the buffer): a copy, since the
+        #: batch's rows are reused once the request leaves, that grows by each step's new
+        #: tokens only (a full copy per step would cost O(context) on every decoding step).
+        self.running: dict[str, tuple[int, np.ndarray, int]] = {}
+        #: Request id -> its store's key (``KeyedServedStores`` only).
+        self.keys: dict[str, str] = {}
+        #: Request id -> its steps' (final hidden states [m, H], their positions), for ``dense``.
+        self.states: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
+                num_tokens: np.ndarray, token_ids: np.ndarray,
+                keys: Sequence[str | None] | None = None,
+                states: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None) -> None:
+        """Record this step's tokens of every row that sampled (rows are ``req_ids``' order;
+        ``token_ids[i]`` holds row i's tokens, at least its ``num_tokens[i]``).
+        With ``KeyedServedStores``, ``keys`` names each row's store; rows without a key are
+        not recorded. ``states[i]``: row i's final hidden states of this step and the context
+        positions they are at (for the dense store)."""
+        keyed = isinstance(self.store, KeyedServedStores)
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled or i >= len(req_ids):
+                continue
+            req_id = req_ids[i]
+            if keyed:
+                key = keys[i] if keys is not None and i < len(keys) else None
+                if key is None:
+                    continue
+                self.keys[req_id] = key
+            n = int(num_tokens[i])
+            known = self.running.get(req_id)
+            if known is None or known[2] > n:
+                # The first step that samples is the prefill's: everything before its tokens
+                # is the prompt.
+                prompt_len = n - len(sampled) if known is None else known[0]
+                buffer = np.empty(max(2 * n, 64), dtype=np.int32)
+                buffer[:n] = token_ids[i][:n]
+                # Resumed after preemption: its context is recomputed, its states start over.
+                self.states.pop(req_id, None)
+            else:
+                prompt_len, buffer, length = known
+                if n > len(buffer):
+                    buffer = np.concatenate([buffer[:length],
+                                             np.empty(max(n, len(buffer)), dtype=np.int32)])
+                buffer[length:n] = token_ids[i][length:n]
+            self.running[req_id] = (prompt_len, buffer, n)
+            if self.dense is not None and states is not None and i < len(states) \
+                    and states[i] is not None:
+                self.states.setdefault(req_id, []).append(states[i])
+
+    def finish_all(self) -> None:
+        """Hand every tracked request to the store (the engine is shutting down: the last
+        requests never leave a batch)."""
+        self.finish_absent(())
+
+    def finish_absent(self, req_ids: Sequence[str]) -> None:
+        """Hand every tracked request that is no longer in the batch to the store."""
+        for req_id in self.running.keys() - set(req_ids):
+            prompt_len, buffer, length = self.running.pop(req_id)
+            start = 0 if self.include_prompts else prompt_len
+            tokens = buffer[start:length]
+            steps = self.states.pop(req_id, None)
+            if isinstance(self.store, KeyedServedStores):
+                self.store.add(self.keys.pop(req_id), req_id, tokens)
+            elif steps:
+                store_served(self.store, self.dense, req_id, tokens, start,
+                             np.concatenate([s for s, _ in steps]),
+                             np.concatenate([p for _, p in steps]))
+            else:
+                self.store.add(req_id, tokens)
+
+
+def store_served(store: ServedStore, dense: ServedDenseStore | None, req_id: str,
+                 tokens: np.ndarray | Sequence[int], start: int, states: np.ndarray,
+                 positions: np.ndarray) -> None:
+    """Store a finished request's ``tokens`` (its context from position ``start`` on) and, in
+    ``dense``, its final hidden states ``states`` at context ``positions``, each pointing at
+    its position in the stored document (which may keep only the end of ``tokens``)."""
+    document = store.add(req_id, tokens)
+    if dense is None or document is None:
+        return
+    positions = np.asarray(positions) - (start + len(tokens) - len(document))
+    kept = positions >= 0
+    dense.add(document, states[kept], positions[kept])

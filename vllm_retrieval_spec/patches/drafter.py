@@ -1,0 +1,250 @@
+"""Our drafter's hooks around vLLM's decoding step (``contract``): hidden states handed over,
+the batch observed and drafts made before sampling, drafting timed, work done after the drafts
+are handed over, the drafter closed at shutdown."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_retrieval_spec.contract import Drafter
+
+logger = logging.getLogger(__name__)
+
+
+def drafter_of(runner: Any) -> Drafter | None:
+    """The runner's drafter where it is ours (vLLM's own drafters are only timed)."""
+    drafter = runner.__dict__.get("drafter")
+    return drafter if isinstance(drafter, Drafter) else None
+
+
+def _drafting_timer(runner: Any) -> Any:
+    from vllm_retrieval_spec.metrics import DraftingTimer
+
+    timer = runner.__dict__.get("_rsd_drafting_timer")
+    if timer is None:
+        timer = runner._rsd_drafting_timer = DraftingTimer()
+    return timer
+
+
+def _aux_layers(runner: Any) -> tuple[int, ...]:
+    drafter = drafter_of(runner)
+    return drafter.capabilities.aux_hidden_state_layers if drafter is not None else ()
+
+
+def with_aux_hidden_states(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        # Read at every forward, so the model's output is unpacked as (states, aux states).
+        if _aux_layers(self):
+            self.use_aux_hidden_state_outputs = True
+
+    return wrapper
+
+
+def drafter_aux_layers_first(get_aux_layers: Callable) -> Callable:
+    @functools.wraps(get_aux_layers)
+    def wrapper(self):
+        return _aux_layers(self) or get_aux_layers(self)
+
+    return wrapper
+
+
+def with_drafts_before_sampling(sample: Callable) -> Callable:
+    @functools.wraps(sample)
+    def wrapper(self, logits, spec_decode_metadata):
+        drafter = drafter_of(self)
+        if drafter is not None:
+            _before_sampling(self, drafter, logits, spec_decode_metadata)
+        return sample(self, logits, spec_decode_metadata)
+
+    return wrapper
+
+
+def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
+                     spec_decode_metadata: Any) -> None:
+    """Tell our drafter which request is in which row, which may get a tree and, when it asks,
+    which served store each is drafted from (no sampled token is needed for that); with
+    ``drafts_before_sampling``, hand it what each greedy request will sample (the argmax of its
+    rows of the logits along its draft), so it drafts now rather than after sampling."""
+    from vllm_retrieval_spec.patches.trees import tree_verifier
+    from vllm_retrieval_spec.verification.core import tree_eligible
+
+    start = time.perf_counter_ns()
+    capabilities = drafter.capabilities
+    verifier = tree_verifier(runner)
+    req_ids = list(runner.input_batch.req_ids)
+    params = [runner.requests[r].sampling_params for r in req_ids]
+    greedy = [tree_eligible(p) for p in params] \
+        if verifier is not None or capabilities.drafts_before_sampling else None
+    keys = None
+    if capabilities.served_store_keys:
+        from vllm_retrieval_spec.sources.served import served_store_key
+
+        keys = [served_store_key(p) for p in params]
+    drafter.observe_batch(req_ids, greedy if verifier is not None else None, keys)
+    if capabilities.drafts_before_sampling and logits is not None and any(greedy):
+        import torch
+
+        from vllm_retrieval_spec.drafting.overlap import sampled_before_sampling
+
+        if spec_decode_metadata is None:
+            num_drafts, drafts = [0] * len(req_ids), []
+        else:
+            num_drafts = spec_decode_metadata.num_draft_tokens
+            drafts = spec_decode_metadata.draft_token_ids.tolist()
+        rows = logits.detach().cpu()
+        rows = (rows if rows.dtype in (torch.float32, torch.float64) else rows.float()).numpy()
+        sampled, verified = sampled_before_sampling(rows, num_drafts, drafts, greedy)
+        drafter.draft_before_sampling(sampled, verified, runner.input_batch.num_tokens_no_spec,
+                                      runner.input_batch.token_ids_cpu)
+    _drafting_timer(runner).add_before(time.perf_counter_ns() - start)
+
+
+def timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
+    @functools.wraps(propose_draft_token_ids)
+    def wrapper(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
+        # The critical part: vLLM hands over this step's sampled tokens here and waits for the
+        # drafts (for vLLM's own methods too: the timer wraps every drafter).
+        start = time.perf_counter_ns()
+        drafter = drafter_of(self)
+        if drafter is not None:
+            _hand_hidden_states(self, drafter, scheduler_output, sampled_token_ids,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata)
+        drafts = propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
+                                         sampling_metadata, hidden_states, sample_hidden_states,
+                                         aux_hidden_states, spec_decode_metadata, *args, **kwargs)
+        elapsed = time.perf_counter_ns() - start
+        timer = _drafting_timer(self)
+        timer.record(elapsed)
+        if drafter is not None:
+            # Without work after the handover, this step's drafting is done.
+            drafter.observe_drafting_time(elapsed / 1e9, None if drafter.has_work_after_handover
+                                          else timer.last_total_ns() / 1e9)
+        return drafts
+
+    return wrapper
+
+
+def _hand_hidden_states(runner: Any, drafter: Drafter, scheduler_output: Any,
+                        sampled_token_ids: list[list[int]], sample_hidden_states: Any,
+                        aux_hidden_states: Any, spec_decode_metadata: Any) -> None:
+    capabilities = drafter.capabilities
+    batch = runner.input_batch
+    if aux_hidden_states is not None and capabilities.aux_hidden_state_layers:
+        from vllm_retrieval_spec.proposers.hidden_states import accepted_state_segments
+
+        drafter.record_hidden_states(list(batch.req_ids), aux_hidden_states, accepted_state_segments(
+            batch.req_ids, scheduler_output.num_scheduled_tokens,
+            scheduler_output.scheduled_spec_decode_tokens, batch.num_computed_tokens_cpu,
+            sampled_token_ids))
+    if capabilities.last_hidden_states:
+        from vllm_retrieval_spec.drafting.overlap import last_state_rows
+
+        verifier = runner.__dict__.get("_rsd_tree_verifier")
+        num_drafts = spec_decode_metadata.num_draft_tokens if spec_decode_metadata \
+            else [0] * len(sampled_token_ids)
+        drafter.record_last_hidden_states(sample_hidden_states, last_state_rows(
+            sampled_token_ids, num_drafts, verifier.last_nodes if verifier else None))
+
+
+def after_handover(method: Callable) -> Callable:
+    """After ``method``, our drafter does the bookkeeping ``propose`` left for later and makes
+    the next step's possible drafts."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        drafter = drafter_of(self)
+        if drafter is not None and drafter.has_work_after_handover:
+            start = time.perf_counter_ns()
+            drafter.after_handover()
+            timer = _drafting_timer(self)
+            timer.add_after(time.perf_counter_ns() - start)
+            drafter.observe_drafting_time(None, timer.last_total_ns() / 1e9)
+        return result
+
+    return wrapper
+
+
+def _searches_ahead(runner: Any) -> bool:
+    drafter = drafter_of(runner)
+    return drafter is not None and drafter.capabilities.last_hidden_states
+
+
+def keeping_logits_indices(prepare_inputs: Callable) -> Callable:
+    """Keeps the step's logits indices (the rows of the forward's hidden states that are
+    sampled) for a drafter that searches them ahead (``searching_ahead_after``)."""
+
+    @functools.wraps(prepare_inputs)
+    def wrapper(self, scheduler_output, num_scheduled_tokens):
+        result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        if _searches_ahead(self):
+            self._rsd_logits_indices = result[0]
+        return result
+
+    return wrapper
+
+
+def searching_ahead_after(model_forward: Callable) -> Callable:
+    """After the forward, a drafter with ``last_hidden_states`` gets the hidden states of the
+    rows vLLM will sample (``search_ahead``): any of them may be a request's last state once the
+    drafts are verified, so DReSD's search of all of them need not wait for that, and with
+    ``draft_before_sampling`` the one a greedy request needs is known from the logits."""
+
+    @functools.wraps(model_forward)
+    def wrapper(self, *args, **kwargs):
+        output = model_forward(self, *args, **kwargs)
+        # Popped: a dummy run's forward (no prepared inputs) must not search stale rows.
+        logits_indices = self.__dict__.pop("_rsd_logits_indices", None)
+        drafter = drafter_of(self)
+        if drafter is not None and logits_indices is not None:
+            import torch
+
+            if isinstance(output, torch.Tensor):  # not a pipeline stage's intermediate tensors
+                start = time.perf_counter_ns()
+                try:
+                    drafter.search_ahead(output[logits_indices])
+                except Exception:
+                    # Searched after sampling instead: the engine goes on.
+                    drafter.report_failure("exception", "could not search ahead", exc_info=True)
+                _drafting_timer(self).add_before(time.perf_counter_ns() - start)
+        return output
+
+    return wrapper
+
+
+def closing_drafter_first(shutdown: Callable) -> Callable:
+    """Our drafter is closed as the worker's teardown starts (hybrid stores the last requests
+    and saves its served store): vLLM kills a worker that is still tearing down a few seconds
+    after the engine was asked to stop, before atexit handlers would run."""
+
+    @functools.wraps(shutdown)
+    def wrapper(self):
+        runner = getattr(self, "model_runner", None)
+        drafter = drafter_of(runner) if runner is not None else None
+        if drafter is not None:
+            try:
+                drafter.close()
+            except Exception:
+                logger.exception("closing the drafter failed; shutting down anyway")
+        return shutdown(self)
+
+    return wrapper
+
+
+def drafting_stats(worker: Any, reset: bool = False) -> dict[str, float | int]:
+    """Worker RPC: drafting time per step since start (or the last reset)."""
+    from vllm_retrieval_spec.metrics import DraftingTimer
+
+    runner = worker.model_runner
+    timer = runner.__dict__.get("_rsd_drafting_timer") or DraftingTimer(capacity=1)
+    drafter = drafter_of(runner)
+    verifier = runner.__dict__.get("_rsd_tree_verifier")
+    return {**timer.summary(reset=reset), **(drafter.stats(reset) if drafter else {}),
+            **(verifier.stats(reset) if verifier is not None else {})}

@@ -1,0 +1,59 @@
+"""The patches of vLLM's engine arguments: our method names become vLLM's ``custom_class``
+method with our proposer, our options validated once at start-up."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+from vllm_retrieval_spec.config import (
+    METHODS, PLUGIN_KEY, ConfigError, PldPlusConfig, parse_speculative_config, platform_defaults)
+
+logger = logging.getLogger(__name__)
+
+
+
+def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
+    @functools.wraps(create_speculative_config)
+    def wrapper(self, target_model_config, target_parallel_config):
+        options = self.speculative_config
+        if isinstance(options, dict) and options.get("method") in METHODS:
+            from vllm.platforms import current_platform
+
+            from vllm_retrieval_spec.config.model import validate_against_model
+            from vllm_retrieval_spec.proposers.base import PROPOSER_CLASS
+
+            config = parse_speculative_config(options, platform_defaults(current_platform.is_cpu()))
+            validate_against_model(config, target_model_config)
+            self.additional_config = {**(self.additional_config or {}),
+                                      PLUGIN_KEY: config.to_dict()}
+            self.speculative_config = {
+                "method": "custom_class", "model": PROPOSER_CLASS,
+                "num_speculative_tokens": config.drafting.num_speculative_tokens}
+        return create_speculative_config(self, target_model_config, target_parallel_config)
+
+    return wrapper
+
+
+def without_prefix_caching_for_pld_plus(create_engine_config: Callable) -> Callable:
+    """PLD+ needs every context position's hidden state; prefix-cached tokens are never
+    recomputed, so their states would be missing. Decided before vLLM fills in its defaults,
+    so that only an explicit request for prefix caching is refused."""
+
+    @functools.wraps(create_engine_config)
+    def wrapper(self, *args, **kwargs):
+        options = self.speculative_config
+        if isinstance(options, dict) and options.get("method") == PldPlusConfig.method:
+            if self.enable_prefix_caching:
+                raise ConfigError(
+                    "method 'pld_plus' needs hidden states for every context token, and "
+                    "prefix-cached tokens are not recomputed: pass enable_prefix_caching=False "
+                    "(--no-enable-prefix-caching)")
+            if self.enable_prefix_caching is None:
+                logger.info("method 'pld_plus': prefix caching turned off (it would hide "
+                            "hidden states)")
+                self.enable_prefix_caching = False
+        return create_engine_config(self, *args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,90 @@
+"""The patches that verify token-tree drafts inside vLLM's step (``verification``): depth
+positions after the inputs are prepared, tree-masked attention of the draft rows after each
+attention layer, the accepted path and its KV entries after sampling."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm_retrieval_spec.patches.drafter import drafter_of
+
+logger = logging.getLogger(__name__)
+
+
+
+def tree_verifier(runner: Any) -> Any:
+    """The runner's tree verifier, made at its first step once the KV cache exists; None where
+    the drafter drafts no trees or this platform cannot verify them."""
+    if "_rsd_tree_verifier" in runner.__dict__:
+        return runner._rsd_tree_verifier
+    verifier = None
+    drafter = drafter_of(runner)
+    if drafter is not None and drafter.capabilities.trees:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            logger.warning("tree drafts need vLLM-CPU's attention backend in this version; "
+                           "drafts stay chains on this platform")
+        elif runner.kv_caches:
+            from vllm_retrieval_spec.verification.cpu import cpu_tree_verifier
+
+            verifier = cpu_tree_verifier(runner.kv_caches[0],
+                                         runner.model_config.get_head_size(),
+                                         runner.cache_config.cache_dtype)
+    runner._rsd_tree_verifier = verifier
+    return verifier
+
+
+#: The tree verifier of this process's runner while a step with trees is in flight: the
+#: attention backend has no reference to the runner.
+_trees_in_flight: Any = None
+
+
+def with_tree_positions(prepare_inputs: Callable) -> Callable:
+    @functools.wraps(prepare_inputs)
+    def wrapper(self, scheduler_output, num_scheduled_tokens):
+        global _trees_in_flight
+        result = prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+        verifier = self.__dict__.get("_rsd_tree_verifier")
+        if verifier is not None:
+            verifier.begin_step(self.drafter.trees, list(self.input_batch.req_ids),
+                                scheduler_output.scheduled_spec_decode_tokens,
+                                num_scheduled_tokens, self.input_batch.num_computed_tokens_cpu,
+                                self.positions, scheduler_output.total_num_scheduled_tokens)
+            _trees_in_flight = verifier if verifier.step is not None else None
+        return result
+
+    return wrapper
+
+
+def with_tree_attention(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def wrapper(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                **kwargs):
+        result = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                         **kwargs)
+        if _trees_in_flight is not None:
+            _trees_in_flight.attend(self, query, key, value, kv_cache, attn_metadata, output)
+        return result
+
+    return wrapper
+
+
+def with_tree_acceptance(sample: Callable) -> Callable:
+    @functools.wraps(sample)
+    def wrapper(self, logits, spec_decode_metadata):
+        global _trees_in_flight
+        verifier = self.__dict__.get("_rsd_tree_verifier")
+        if verifier is None or verifier.step is None or spec_decode_metadata is None:
+            return sample(self, logits, spec_decode_metadata)
+        walks = verifier.walk(logits, spec_decode_metadata.num_draft_tokens,
+                              spec_decode_metadata.draft_token_ids)
+        output = sample(self, logits, spec_decode_metadata)
+        verifier.accept(walks, output.sampled_token_ids)
+        _trees_in_flight = None
+        return output
+
+    return wrapper

@@ -1,0 +1,1 @@
+"""Token-tree verification inside vLLM: one core, one module per attention backend."""
