@@ -83,7 +83,7 @@ class DenseSearches:
         self.ahead_rows = int(candidates.shape[0])
 
     def _project_and_search(self, candidates: Any) -> Searched:
-        return self._search(project_last_states(self.index.projection, candidates,
+        return self.search(project_last_states(self.index.projection, candidates,
                                                 list(range(candidates.shape[0])))[0])
 
     def record(self, states: Any, rows: list[int]) -> None:
@@ -121,12 +121,12 @@ class DenseSearches:
         bounds = np.linspace(0, len(valid), num_chunks + 1).astype(int)
         for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             chunk = queries[lo:hi]
-            self.chunks.append(self._search(chunk) if num_chunks == 1
-                               else self.pool.submit(self._search, chunk))
+            self.chunks.append(self.search(chunk) if num_chunks == 1
+                               else self.pool.submit(self.search, chunk))
             for j, i in enumerate(valid[lo:hi]):
                 self.row_chunk[i] = (c, j)
 
-    def _search(self, queries: np.ndarray) -> Searched:
+    def search(self, queries: np.ndarray) -> Searched:
         start = time.perf_counter_ns()
         neighbours, scores = self.index.search(queries, self.top_n)
         return neighbours, scores, time.perf_counter_ns() - start
@@ -188,6 +188,12 @@ class DresdDrafter(MethodDrafter):
         self.searches.record(states, rows)
 
     def warm_up(self, max_len: int) -> None:
+        import torch
+
+        # The projection, the searcher (ScaNN loads lazily), the search threads, the filter.
+        query = project_last_states(self.index.projection,
+                                    torch.zeros(1, self.index.manifest.hidden_size), [0])[0]
+        self.searches.pool.submit(self.searches.search, query).result()
         candidates, lengths, weights = matching_continuations(
             self.index.tokens, self.index.positions, np.zeros(1, dtype=np.int64),
             np.ones(1, dtype=np.float32), 0, max_len)
