@@ -222,22 +222,18 @@ def prometheus_samples(text: str) -> dict[str, float]:
 
 # --- The plugin's patches of vLLM ----------------------------------------------------------------
 
-#: What ``plugin.register()`` adds to vLLM, and what it replaces besides the private methods its
-#: inventory (``plugin._WRAPPED_SIGNATURES``) lists.
-PATCHED_BESIDES_INVENTORY = ("vllm.v1.worker.gpu_worker.Worker.rsd_drafting_stats",
-                             "vllm.engine.arg_utils.EngineArgs.create_speculative_config")
 _ABSENT = object()
 
 
 def patched_by_register() -> list[tuple[Any, str]]:
     """(class or module, attribute name) of everything ``plugin.register()`` may replace or add
-    on vLLM."""
+    on vLLM: its inventory (``plugin.PATCHES``, ``plugin.ADDED``)."""
     import importlib
 
     from vllm_retrieval_spec import plugin
 
     owners = []
-    for path in dict.fromkeys([*plugin._WRAPPED_SIGNATURES, *PATCHED_BESIDES_INVENTORY]):
+    for path in dict.fromkeys([*(patch.target for patch in plugin.PATCHES), *plugin.ADDED]):
         module_name, owner_name, name = path.rsplit(".", 2)
         try:  # a function of a module
             owner = importlib.import_module(f"{module_name}.{owner_name}")
