@@ -2,9 +2,10 @@
 it on the critical path when the next drafts are precomputed (``drafting.overlap``).
 
 The same proposer replays recorded greedy outputs step by step, as vLLM drives it (the batch
-observed before sampling, ``propose`` with the step's sampled tokens, then ``precompute_next``
-when that is on). Only ``propose`` is timed: it is what vLLM waits for. Between two steps runs
-what happens between two decoding steps in the engine, or nothing:
+observed before sampling, ``propose`` with the step's sampled tokens, then ``after_handover``,
+which precomputes the next drafts when that is on). Only ``propose`` is timed: it is what vLLM
+waits for. Between two steps runs what happens between two decoding steps in the engine, or
+nothing:
 
 - ``nothing``: the steps back to back, as in offline replay;
 - ``forward``: a forward of the target model on the last 64 tokens (transformers, float32: the
@@ -20,7 +21,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -33,21 +33,13 @@ DEFAULT_RECORDS = RESULTS / "tuning" / "plain-tune-20-39.plain.jsonl"
 BETWEEN = ("nothing", "forward", "read")
 
 
-def offline_proposer(options: dict[str, Any], vocab_size: int, max_model_len: int = 4096):
-    """Our proposer for ``options`` (a speculative_config), built as vLLM's worker builds it."""
-    import importlib
+def offline_proposer(options: dict[str, Any], max_model_len: int = 4096) -> Any:
+    """Our proposer for ``options`` (a speculative_config), built as vLLM's worker builds it
+    (its served store indexes each finished request before the next one starts)."""
+    from benchmarks.replay import build_proposer
+    from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS
 
-    from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
-
-    config = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
-    vllm_config = SimpleNamespace(
-        additional_config={PLUGIN_KEY: config.to_dict()},
-        speculative_config=SimpleNamespace(num_speculative_tokens=config.num_speculative_tokens),
-        model_config=SimpleNamespace(max_model_len=max_model_len,
-                                     get_vocab_size=lambda: vocab_size),
-        parallel_config=SimpleNamespace(world_size=1))
-    module, name = config.proposer_class.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)(vllm_config)
+    return build_proposer(options, VLLM_CPU_DEFAULTS, max_model_len=max_model_len)
 
 
 def between_steps(kind: str, model: Any) -> Callable[[np.ndarray], None]:
@@ -84,7 +76,8 @@ def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Ca
             start = time.perf_counter_ns()
             drafted = proposer.propose([sampled], np.array([position], dtype=np.int32), buffer)
             times.append(time.perf_counter_ns() - start)
-            proposer.precompute_next()
+            if proposer.has_work_after_handover:
+                proposer.after_handover()
             accepted = 0
             for token, truth in zip(drafted[0], tokens[position:]):
                 if token != truth:
@@ -93,9 +86,6 @@ def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Ca
             sampled = tokens[position:position + accepted + 1]
             position += accepted + 1
         proposer.observe_batch([], [])
-        served = getattr(proposer, "served", None)
-        if served is not None:
-            served.wait_indexed()
     return np.asarray(times[len(times) // 10:])  # the first steps compile and warm up
 
 
@@ -129,16 +119,16 @@ def main(argv: list[str] | None = None) -> None:
         for kind in args.between.split(","):
             for precompute in (False, True):
                 proposer = offline_proposer({**options, "precompute_drafts": precompute,
-                                             "draft_budget_ms": 0},
-                                            model.config.vocab_size)
+                                             "draft_budget_ms": 0})
                 us = replay_steps(proposer, records, between_steps(kind, model), args.steps) / 1e3
-                getattr(proposer, "close", lambda: None)()
+                stats = proposer.stats()
+                proposer.close()
                 rows.append({"method": options["method"], "between_steps": kind,
                              "precompute_drafts": precompute, "steps": len(us),
                              "propose_us_p50": round(float(np.percentile(us, 50)), 1),
                              "propose_us_p90": round(float(np.percentile(us, 90)), 1),
-                             "precomputed_used": proposer.precomputed["used"],
-                             "precomputed_missed": proposer.precomputed["missed"]})
+                             "precomputed_used": stats.get("precomputed_used", 0),
+                             "precomputed_missed": stats.get("precomputed_missed", 0)})
                 print(rows[-1], flush=True)
     columns = [(key, key) for key in rows[0]]
     print("\n".join(markdown_table(columns, rows)))

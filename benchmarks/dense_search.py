@@ -22,15 +22,15 @@ import numpy as np
 def measure(datastore: str, records: list[dict], model: str, top_n: int) -> dict:
     import torch
 
-    from benchmarks.replay import _transformers_states
+    from benchmarks.hidden_states import TransformersStates
     from vllm_retrieval_spec.datastore.dense import DenseIndex
 
-    states = _transformers_states(model)
+    states = TransformersStates(model)
     exact = DenseIndex.from_path(datastore, search="exact", verify_checksums=False)
     scann = DenseIndex.from_path(datastore, search="scann", verify_checksums=False)
     queries = np.concatenate([
         exact.projection(torch.from_numpy(
-            states(r, len(states.hidden_layers) - 1, unit=False)[len(r["prompt"]) - 1:]))
+            states(r)[len(r["prompt"]) - 1:]))
         for r in records])
     result = {"datastore": Path(datastore).name, "num_keys": exact.manifest.num_keys,
               "dims": exact.manifest.dims,

@@ -1,4 +1,5 @@
-"""The offline replay that tunes drafting rules: its accounting must match the engine's."""
+"""The offline replay that tunes drafting rules: it drives the proposers' own code as vLLM's step
+does, and counts forwards and step costs as the engine would."""
 
 from __future__ import annotations
 
@@ -7,261 +8,170 @@ import json
 import numpy as np
 import pytest
 
+from benchmarks.peers import SuffixPeer
 from benchmarks.replay import (
-    CHOICE_CEILINGS, OracleGap, ceiling_select, draft_factory, expand_grid, longest_accepted,
-    main, oracle_factory, replay)
+    PLAIN_STEP_NS, Replay, Request, StepCosts, build_proposer, expand_grid, fake_vllm_config,
+    main, measured_step_costs)
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
-from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
+from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
+from vllm_retrieval_spec.drafting.tree import TreeDraft
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+#: Nothing but the method's drafts: no acceptance cap, no minimum length, no padding.
+EXACT = {"num_speculative_tokens": 3, "min_draft_len": 1, "adaptive_draft_len": False,
+         "pad_drafts": False}
+#: The output repeats the prompt from its last token on: PLD's drafts are always right.
+REPEATING = {"prompt": list(range(5, 25)) + [5], "output": list(range(6, 25))}
+
+
+def replay(proposer, records, costs=StepCosts(0.0), batch=1):
+    run = Replay(proposer, costs, batch=batch, trace=True)
+    return run.run(records), run.trace
+
+
+def with_method(method: MethodDrafter, **options) -> RetrievalProposer:
+    """Our proposer around a hand-made method, as the plugin would build it."""
+    config = parse_speculative_config({"method": "pld", **EXACT, **options}, VLLM_CPU_DEFAULTS)
+    return RetrievalProposer(fake_vllm_config(config), method)
+
+
+class Scripted(MethodDrafter):
+    """A method whose draft after ``context`` is ``draft(context)``."""
+
+    def __init__(self, draft, trees: bool = False) -> None:
+        self.make = draft
+        self.capabilities = Capabilities(trees=trees)
+
+    def draft(self, row, context, max_len):
+        return self.make(context)
 
 
 def test_replay_counts_forwards_as_the_engine_would():
-    output = list(range(100, 120))  # 20 tokens
-    record = {"prompt": [1, 2, 3], "output": output}
-    sequence = record["prompt"] + output
+    result, trace = replay(build_proposer({"method": "pld", **EXACT}, VLLM_CPU_DEFAULTS),
+                           [REPEATING], StepCosts(0.1))
+    # The prefill samples 6; each step then accepts its 3 tokens and adds one; the last step
+    # samples the last 2 tokens (23 24), and its draft (5 6 7) is never verified.
+    assert trace == [[[7, 8, 9]], [[11, 12, 13]], [[15, 16, 17]], [[19, 20, 21]],
+                     [[23, 24, 5]], [[5, 6, 7]]]
+    assert result["tokens_per_forward"] == round(19 / 6, 3)
+    assert result["mean_draft_len"] == 3.0
+    assert result["modeled_speedup"] == round(19 / 6 / (1 + 0.1 * 3), 3)
+    # Nothing repeats: no draft, one token per forward.
+    never, trace = replay(build_proposer({"method": "pld", **EXACT}, VLLM_CPU_DEFAULTS),
+                          [{"prompt": [1, 2], "output": list(range(10, 20))}], StepCosts(0.1))
+    assert trace == [[[]]] * 10
+    assert (never["tokens_per_forward"], never["mean_draft_len"], never["modeled_speedup"]) == \
+        (1.0, 0.0, 1.0)
 
-    def oracle(context, n):  # always right: k + 1 tokens per forward after the prefill
-        return np.asarray(sequence[len(context):len(context) + n], dtype=np.int32)
 
-    result = replay([record], lambda r: oracle, k=3, draft_token_cost=0.0)
-    # Prefill -> output[0]; then 19 tokens in steps of 4: 5 forwards (4+4+4+4+3).
-    assert result["tokens_per_forward"] == round(20 / 6, 3)
-
-    def half_right(context, n):  # the first drafted token is right, the second wrong
-        truth = sequence[len(context):len(context) + n]
-        return np.asarray(truth[:1] + [0] * (len(truth) - 1), dtype=np.int32)
-
-    result = replay([record], lambda r: half_right, k=2, draft_token_cost=0.1)
-    # Each step accepts 1 and adds a bonus token: 19 tokens in 10 steps (2 x 9 + 1).
-    assert result["tokens_per_forward"] == round(20 / 11, 3)
-    assert result["modeled_speedup"] == round((20 / 11) / (1 + 0.1 * result["mean_draft_len"]), 3)
-    never = replay([record], lambda r: lambda c, n: np.empty(0, np.int32), k=4,
-                   draft_token_cost=0.0)
-    assert never["tokens_per_forward"] == 1.0 and never["mean_draft_len"] == 0
+def test_replay_drafts_what_the_proposer_drafts_driven_directly():
+    """The same drafts as observe_batch and propose called by hand (replay also drafts before
+    sampling, the platform's default, which must not change them)."""
+    prompt = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+    output = [4, 1, 2, 3, 5, 9, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 7, 7]
+    options = {"method": "pld", "num_speculative_tokens": 4}
+    _, trace = replay(build_proposer(options, VLLM_CPU_DEFAULTS),
+                      [{"prompt": prompt, "output": output}])
+    proposer = build_proposer({**options, "draft_before_sampling": False}, VLLM_CPU_DEFAULTS)
+    sequence = prompt + output
+    tokens = np.zeros((1, 64), dtype=np.int32)
+    n, sampled, direct = len(prompt), [output[0]], []
+    while True:
+        n += len(sampled)
+        tokens[0, :n] = sequence[:n]
+        proposer.observe_batch(["0"])
+        draft = proposer.propose([sampled], np.array([n], dtype=np.int32), tokens)[0]
+        if proposer.has_work_after_handover:
+            proposer.after_handover()
+        direct.append([draft])
+        if n == len(sequence):
+            break
+        accepted = 0
+        while accepted < min(len(draft), len(sequence) - n - 1) \
+                and draft[accepted] == sequence[n + accepted]:
+            accepted += 1
+        sampled = sequence[n:n + accepted + 1]
+    assert trace == direct
+    assert any(len(d[0]) for d in direct) and any(not d[0] for d in direct)
 
 
 def test_a_tree_accepts_its_longest_root_path_along_the_output():
-    from benchmarks.replay import accepted_length
-    from vllm_retrieval_spec.drafting.tree import TreeDraft
-
     # root -> 5 -> 6 -> 7, and root -> 8 -> 9: the first branch is wrong after 5.
     tree = TreeDraft(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 1, -1, 3]), 3, 0.5)
-    assert accepted_length(tree, [8, 9, 1, 1, 1]) == 2
-    assert accepted_length(tree, [5, 6, 2, 1, 1]) == 2
-    assert accepted_length(tree, [5, 6, 7, 1, 1]) == 3
-    assert accepted_length(tree, [1, 1, 1, 1, 1]) == 0
-    assert accepted_length(tree, [8]) == 1  # the output ends
-    assert accepted_length(np.array([5, 6, 0]), [5, 6, 7]) == 2
 
+    def verify(output):
+        record = {"prompt": [1], "output": [0, *output]}
+        return Request("0", record, np.asarray([1, 0, *output]), done=1,
+                       draft=tree.tokens.tolist(), tree=tree).verify()
+
+    assert verify([8, 9, 1, 1]) == ([8, 9, 1], 4)
+    assert verify([5, 6, 2, 1]) == ([5, 6, 2], 1)
+    assert verify([5, 6, 7, 1]) == ([5, 6, 7, 1], 2)
+    assert verify([1, 1, 1, 1]) == ([1], -1)
+    assert verify([8, 9]) == ([8, 9], 3)  # the output ends: its last token is the bonus
+
+    # A tree after the first output token, the truth's next 2 tokens as a chain after that.
     output = [8, 9, 30, 31, 32, 33]
-    record = {"prompt": [1], "output": output}
-    # A drafter always offering that tree after the prompt's first output token, a chain
-    # of the truth's next 2 tokens otherwise.
-    sequence = record["prompt"] + output
+    sequence = [1, *output]
+    tree = TreeDraft(np.array([5, 6, 9, 7]), np.array([-1, 0, -1, 2]), 2, 0.5)
 
-    def draft(context, n):
+    def draft(context):
         if len(context) == 2:
-            return TreeDraft(np.array([5, 6, 9, 7]), np.array([-1, 0, -1, 2]), 2, 0.5)
+            return tree
         return np.asarray(sequence[len(context):len(context) + 2], dtype=np.int32)
 
-    # output[0] by the prefill; then the tree accepts 9 (node 2), its child 7 does not match
-    # 30: bonus 30; then chains of 2 accept 31 32 + 33 (the bonus).
-    result = replay([record], lambda r: draft, k=4, draft_token_cost=0.0)
+    result, trace = replay(with_method(Scripted(draft, trees=True), num_speculative_tokens=4),
+                           [{"prompt": [1], "output": output}])
+    # The tree accepts 9 (node 2); its child 7 is not 30, the bonus; then 31 32 and 33.
+    assert trace == [[[5, 6, 9, 7]], [[31, 32]], [[]]]
     assert result["tokens_per_forward"] == round(6 / 3, 3)
-    assert result["mean_draft_len"] == round((4 + 2) / 2, 2)
+    assert result["mean_draft_len"] == (4 + 2) / 2
 
 
 def test_expand_grid():
     configs = expand_grid({"method": "hybrid", "x": 0}, {"x": [1, 2], "y": ["a", "b"]})
-    assert configs == [{"method": "hybrid", "x": 1, "y": "a"}, {"method": "hybrid", "x": 1, "y": "b"},
-                       {"method": "hybrid", "x": 2, "y": "a"}, {"method": "hybrid", "x": 2, "y": "b"}]
+    assert configs == [{"method": "hybrid", "x": x, "y": y} for x in (1, 2) for y in "ab"]
     assert expand_grid({"method": "pld"}, {}) == [{"method": "pld"}]
 
 
-def test_longest_accepted_is_the_longest_prefix_of_the_truth_any_candidate_starts_with():
-    candidates = np.array([[1, 2, 9, -1], [1, 2, 3, 8], [4, 1, 2, 3]], dtype=np.int32)
-    truth = np.array([1, 2, 3, 4], dtype=np.int32)
-    np.testing.assert_array_equal(longest_accepted(candidates, np.array([3, 4, 4]), truth),
-                                  [1, 2, 3])
-    # A candidate counts only up to its length.
-    np.testing.assert_array_equal(longest_accepted(candidates, np.array([3, 2, 4]), truth),
-                                  [1, 2])
-    assert len(longest_accepted(candidates[:0], np.zeros(0, np.int32), truth)) == 0
-
-
-def test_oracle_is_a_ceiling_for_hybrid(tmp_path):
-    # The corpus continues "5 6" with "7 8 9" once and "7 7 7" twice: hybrid votes for the
-    # majority, the oracle takes whichever the truth starts with.
-    documents = [[5, 6, 7, 8, 9], [5, 6, 7, 7, 7], [5, 6, 7, 7, 7]]
-    build_datastore_from_token_ids(documents, tmp_path / "ds", tokenizer_name="t",
-                                   tokenizer_fingerprint="0" * 64, vocab_size=100,
-                                   progress=False)
-    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
-                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1,
-                                       "context_min_match_len": 2, "min_match_len": 2},
-                                           VLLM_CPU_DEFAULTS)
-    record = {"prompt": [1, 5], "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}
-    oracle = replay([record], oracle_factory(config), k=3, draft_token_cost=0.0)
-    hybrid = replay([record], draft_factory(config), k=3, draft_token_cost=0.0)
-    # Prefill -> "6"; "7 8 9" from the datastore plus the bonus "2"; "5" and "6" with no
-    # draft (no 2-token match); "7 8 9" from the context, where "5 6" occurred before:
-    # 5 forwards for 10 tokens.
-    assert oracle["tokens_per_forward"] == 2.0
-    assert hybrid["tokens_per_forward"] < oracle["tokens_per_forward"]
-    with pytest.raises(ValueError, match="hybrid"):
-        oracle_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3},
-                                                VLLM_CPU_DEFAULTS))
-
-
-@pytest.mark.parametrize("documents, options, missed, missed_steps", [
-    # "5 6" goes on "7 8 9" once and "7 7 7" twice: the majority is drafted and "7" accepted
-    # where the oracle's "7 8 9" had 3 (then "9", none, none and "7 8 9" from the context).
-    ([[5, 6, 7, 8, 9], [5, 6, 7, 7, 7], [5, 6, 7, 7, 7]], {"max_spec_factor": 0},
-     {"wrong_choice": 2, "too_short": 0, "no_draft": 0}, {"wrong_choice": 1}),
-    # One continuation, but a 2-token match allows one draft token: "7" twice, not "7 8 9".
-    ([[5, 6, 7, 8, 9]], {"max_spec_factor": 0.5},
-     {"wrong_choice": 0, "too_short": 4, "no_draft": 0}, {"too_short": 2}),
-    # An even split under min_prefix_prob: nothing drafted where the oracle had "7 8 9".
-    ([[5, 6, 7, 8, 9], [5, 6, 4, 4, 4]], {"max_spec_factor": 0, "min_prefix_prob": 0.9},
-     {"wrong_choice": 0, "too_short": 0, "no_draft": 9}, {"no_draft": 4}),
-])
-def test_oracle_gap_puts_each_missed_token_down_to_its_cause(tmp_path, documents, options,
-                                                             missed, missed_steps):
-    build_datastore_from_token_ids(documents, tmp_path / "ds", tokenizer_name="t",
-                                   tokenizer_fingerprint="0" * 64, vocab_size=100,
-                                   progress=False)
-    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
-                                       "datastore": str(tmp_path / "ds"), "min_draft_len": 1,
-                                       "context_min_match_len": 2, "min_match_len": 2,
-                                       "served_store": "off", **options}, VLLM_CPU_DEFAULTS)
-    record = {"prompt": [1, 5], "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}
-    oracle = replay([record], oracle_factory(config), k=3, draft_token_cost=0.0)
-    gap = OracleGap()
-    observed = replay([record], draft_factory(config, gap=gap), k=3, draft_token_cost=0.0)
-    plain = replay([record], draft_factory(config), k=3, draft_token_cost=0.0)
-    # Observing changes nothing: the walk is hybrid's own.
-    for key in ("tokens_per_forward", "mean_draft_len"):
-        assert observed[key] == plain[key]
-    assert gap.missed == missed
-    assert gap.missed_steps == {**dict.fromkeys(OracleGap.CAUSES, 0), **missed_steps}
-    assert gap.oracle_accepted - gap.accepted == sum(missed.values())
-    summary = gap.summary()
-    assert summary["oracle_accepted_per_step"] == round(gap.oracle_accepted / gap.steps, 3)
-    # The oracle's own walk is at least as good as hybrid's.
-    assert oracle["tokens_per_forward"] >= plain["tokens_per_forward"]
-
-
-def test_oracle_gap_takes_hybrid_configs_only():
-    with pytest.raises(ValueError, match="oracle-gap takes hybrid"):
-        draft_factory(parse_speculative_config({"method": "pld", "num_speculative_tokens": 3},
-                                               VLLM_CPU_DEFAULTS), gap=OracleGap())
-
-
-@pytest.mark.parametrize("candidates, ahead, max_depth, drafts", [
-    # The majority "7 7 7" is drafted; the truth "7 8 9" starts with the same token. The length
-    # ceilings keep the chain's one right token.
-    ([[7, 7, 7], [7, 7, 7], [7, 8, 9]], [7, 8, 9], 3,
-     {"first_token": [7, 7, 7], "choice": [7, 8, 9], "choice_and_length": [7, 8, 9],
-      "length": [7], "length_heaviest": [7]}),
-    # The truth starts with the minority's token: first_token redraws below it.
-    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [8, 9, 1], 3,
-     {"first_token": [8, 9, 1], "choice": [8, 9, 1], "choice_and_length": [8, 9, 1],
-      "length": [5], "length_heaviest": [5]}),
-    # A length cap of 2 (max_spec_factor x match): only choice_and_length drafts past it.
-    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [8, 9, 1], 2,
-     {"first_token": [8, 9], "choice": [8, 9], "choice_and_length": [8, 9, 1],
-      "length": [5], "length_heaviest": [5]}),
-    # The chain is right as far as the cap; the heaviest path goes on past it, and right.
-    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [5, 6, 0], 2,
-     {"first_token": [5, 6], "choice": [5, 6], "choice_and_length": [5, 6, 0],
-      "length": [5, 6], "length_heaviest": [5, 6, 0]}),
-    # No candidate beats the chain: the choice ceilings draft the chain, the length ceilings
-    # its first token (min_draft_len 1).
-    ([[5, 6, 0], [5, 6, 0], [8, 9, 1]], [4, 4, 4], 3,
-     {"first_token": [5, 6, 0], "choice": [5, 6, 0], "choice_and_length": [5, 6, 0],
-      "length": [5], "length_heaviest": [5]}),
-])
-def test_choice_ceilings_choose_knowing_the_continuation(candidates, ahead, max_depth, drafts):
-    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
-                                       "min_draft_len": 1}, VLLM_CPU_DEFAULTS)
-    args = (np.asarray(candidates, dtype=np.int32), np.full(len(candidates), 3, np.int32),
-            np.ones(len(candidates)), 3, config, max_depth)
-    assert {ceiling: ceiling_select(ceiling, np.asarray(ahead, np.int32))(*args).tolist()
-            for ceiling in CHOICE_CEILINGS} == drafts
-
-
-def test_length_ceilings_keep_drafts_long_enough_to_be_drafted():
-    # With min_draft_len 2 a 1-token draft would be dropped: a chain wrong from its first token
-    # is cut to 2 tokens, not to none.
-    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 3,
-                                       "min_draft_len": 2}, VLLM_CPU_DEFAULTS)
-    args = (np.asarray([[5, 6, 0], [5, 6, 0]], dtype=np.int32), np.full(2, 3, np.int32),
-            np.ones(2), 3, config)
-    for ceiling in ("length", "length_heaviest"):
-        assert ceiling_select(ceiling, np.asarray([4, 4, 4], np.int32))(*args).tolist() == [5, 6]
-        assert ceiling_select(ceiling, np.asarray([5, 6, 0], np.int32))(*args).tolist() == \
-            [5, 6, 0]
-
-
-def test_choice_ceilings_are_replayed_beside_the_config(tmp_path, capsys):
-    documents = [[5, 6, 7, 8, 9], [5, 6, 7, 7, 7], [5, 6, 7, 7, 7]]
-    build_datastore_from_token_ids(documents, tmp_path / "ds", tokenizer_name="t",
-                                   tokenizer_fingerprint="0" * 64, vocab_size=100,
-                                   progress=False)
-    records = tmp_path / "run.plain.jsonl"
-    records.write_text(json.dumps({"task": "code-gen", "prompt": [1, 5],
-                                   "output": [6, 7, 8, 9, 2, 5, 6, 7, 8, 9]}) + "\n")
-    config = {"method": "hybrid", "num_speculative_tokens": 3, "datastore": str(tmp_path / "ds"),
-              "min_draft_len": 1, "context_min_match_len": 2, "min_match_len": 2,
-              "max_spec_factor": 0}
-    main([str(records), "--configs", json.dumps([config]), "--choice-ceilings"])
-    lines = capsys.readouterr().out.splitlines()
-    rows = {row.get("ceiling"): row for row in map(json.loads, lines)}
-    assert set(rows) == {None, *CHOICE_CEILINGS}
-    # The majority "7 7 7" after "5 6" costs hybrid a token the choice ceiling gets.
-    assert rows["choice"]["tokens_per_forward"] > rows[None]["tokens_per_forward"]
-    with pytest.raises(ValueError, match="ceiling must be one of"):
-        ceiling_select("best", np.zeros(3, np.int32))
-    with pytest.raises(ValueError, match="choice-ceilings takes hybrid configs with tree off"):
-        draft_factory(parse_speculative_config({**config, "tree": "on"}, VLLM_CPU_DEFAULTS),
-                      ceiling="choice")
-    with pytest.raises(SystemExit):
-        main([str(records), "--configs", json.dumps([config]), "--choice-ceilings", "--oracle"])
-
-
 def test_replay_learns_from_served_records_in_order():
-    """The second of two identical requests is drafted from the first one's output, as the
-    engine's served store would; with the store off nothing is learnt."""
-    from benchmarks.replay import ServedReplay
-
+    """The second of two identical requests is drafted from the first one's prompt and output
+    once the first left the batch, as the engine's served store would; not while both
+    decode."""
     record = {"prompt": [1, 2], "output": list(range(100, 130))}
-    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 8},
-                                      VLLM_CPU_DEFAULTS)
-    factory = draft_factory(config)
-    assert isinstance(factory, ServedReplay)
-    first = replay([record], factory, k=8, draft_token_cost=0.0)
-    assert first["tokens_per_forward"] == 1.0  # nothing repeats within the record
-    assert factory.store.num_tokens == 32  # prompt and output (served_prompts)
-    second = replay([record], factory, k=8, draft_token_cost=0.0)
-    assert second["tokens_per_forward"] > 3.0
+    options = {"method": "hybrid", "num_speculative_tokens": 8, "pad_drafts": False}
+    result, trace = replay(build_proposer(options, VLLM_CPU_DEFAULTS), [record, record])
+    assert trace[:30] == [[[]]] * 30  # nothing repeats within the first
+    # "1 2 100" matches 3 tokens of the store: 2 x 3 drafted (max_spec_factor), then k, up to
+    # the stored request's end.
+    assert trace[30:] == [[list(range(101, 107))], [list(range(108, 116))],
+                          [list(range(117, 125))], [list(range(126, 130))], [[]]]
+    assert result["tokens_per_forward"] == round(60 / (30 + 5), 3)
+    assert result["stats"]["served_store_requests"] == 1  # the second is stored at close
+    together, trace = replay(build_proposer(options, VLLM_CPU_DEFAULTS), [record, record],
+                             batch=2)
+    assert trace == [[[], []]] * 30
+    assert together["tokens_per_forward"] == 1.0
 
 
 def test_suffix_peer_replays_vllms_suffix_decoding():
-    """vLLM's suffix method learns responses across requests too: a repeated request is drafted
-    from the first one's response, up to the tree depth."""
-    from benchmarks.replay import SuffixDecodingReplay
-
+    """vLLM's own suffix proposer learns responses across requests too: a repeated request is
+    drafted from the first one's response, as many tokens as match (max_spec_factor 1) while
+    match and draft fit the tree's depth (24)."""
     record = {"prompt": [1, 2], "output": list(range(100, 160))}
-    peer = SuffixDecodingReplay()
-    assert peer.num_speculative_tokens == 24
-    first = replay([record], peer, k=24, draft_token_cost=0.0)
-    second = replay([record], peer, k=24, draft_token_cost=0.0)
-    assert first["tokens_per_forward"] == 1.0
-    assert second["tokens_per_forward"] > 5.0
+    peer = SuffixPeer({}, max_model_len=1024)
+    assert peer.k == 24
+    result, trace = replay(peer, [record, record])
+    assert trace[:60] == [[[]]] * 60
+    second = [d for [d] in trace[60:-1]]
+    assert [len(d) for d in second] == [1, 3, 7, 12, 12, 12, 6]
+    assert all(d == list(range(d[0], d[0] + len(d))) for d in second)  # all accepted
+    assert result["tokens_per_forward"] == round(120 / (60 + 8), 3)
+    with pytest.raises(ValueError, match="unknown suffix option"):
+        SuffixPeer({"max_tree_depth": 8}, 1024)
 
 
 def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
-    from benchmarks.replay import measured_step_costs
-
     rows = [{"context_tokens": c, "draft_len": d, "ms_per_step_median": t}
             for c, table in ((50, {0: 50.0, 1: 60.0, 2: 45.0, 4: 45.0, 8: 55.0}),
                              (400, {0: 99.0, 8: 99.0}))
@@ -269,17 +179,14 @@ def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
     path = tmp_path / "verify-cost.json"
     path.write_text(json.dumps({"rows": rows}))
     # The shortest context; linear between measured lengths, along the last two beyond them.
-    assert measured_step_costs(str(path), 10) == [50.0, 60.0, 45.0, 45.0, 45.0, 47.5, 50.0,
-                                                  52.5, 55.0, 57.5, 60.0]
-    output = list(range(100, 120))
-    record = {"prompt": [1, 2, 3], "output": output}
-
-    def two_wrong(context, n):  # a 2-token draft, never accepted
-        return np.zeros(2, dtype=np.int32)
-
-    result = replay([record], lambda r: two_wrong, k=2, draft_token_cost=0.5,
-                    step_costs=measured_step_costs(str(path), 2))
-    # 20 forwards (prefill + 19 steps of one token), each step at 45 / 50 of a plain one.
+    curve = measured_step_costs(str(path), 10)
+    assert curve == [50.0, 60.0, 45.0, 45.0, 45.0, 47.5, 50.0, 52.5, 55.0, 57.5, 60.0]
+    # A 2-token draft every step, never accepted: 20 forwards (the prefill and 19 steps of one
+    # token), each step at 45 / 50 of one without a draft.
+    record = {"prompt": [1, 2, 3], "output": list(range(100, 120))}
+    proposer = with_method(Scripted(lambda context: np.zeros(2, dtype=np.int32)),
+                           num_speculative_tokens=2)
+    result, _ = replay(proposer, [record], StepCosts(0.5, curve[:3]))
     assert result["tokens_per_forward"] == 1.0
     assert result["modeled_speedup"] == round(20 / (1 + 19 * 0.9), 3)
     path.write_text(json.dumps({"rows": rows[1:2]}))
@@ -287,20 +194,80 @@ def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
         measured_step_costs(str(path), 4)
 
 
-def test_replay_pads_drafts_where_its_step_costs_say_longer_is_cheaper():
-    # No draft costs 50, three or four draft tokens 45, more 60 (min_draft_len 3).
-    costs = [50.0, 60.0, 60.0, 45.0, 45.0, 60.0, 60.0, 60.0, 60.0]
-    # The output repeats the prompt: padding (the last token's earlier continuation) is right.
-    record = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 1], "output": [2, 3, 4, 5, 6, 7, 8, 1]}
+def test_padding_learns_the_step_costs_and_pads_where_longer_is_cheaper():
+    """The proposer's own padding, timed by replay's clock: it learns each length's cost as
+    the engine would from its steps, then pads an empty draft to 3 tokens, the shortest of the
+    cheapest."""
+    costs = StepCosts(0.0, [50.0, 60.0, 60.0, 45.0, 45.0, 60.0, 60.0, 60.0, 60.0])
+    record = {"prompt": [1, 2], "output": list(range(100, 220))}  # padding is never right
+    options = {"method": "pld", "num_speculative_tokens": 8, "min_draft_len": 3}
+    plain, trace = replay(build_proposer({**options, "pad_drafts": False}, VLLM_CPU_DEFAULTS),
+                          [record], costs)
+    assert trace == [[[]]] * 120 and plain["modeled_speedup"] == 1.0
+    proposer = build_proposer(options, VLLM_CPU_DEFAULTS)
+    padded, trace = replay(proposer, [record], costs)
+    # The clock's steps are the curve's times: each is 50 ms x cost / cost without a draft.
+    assert PLAIN_STEP_NS == 50_000_000
+    stats = proposer.stats()
+    assert {n: stats[f"step_ms_draft_{n}"] for n in (0, 3, 4, 8)} == \
+        {0: 50.0, 3: 45.0, 4: 45.0, 8: 60.0}
+    lengths = [len(d) for [d] in trace]
+    assert set(lengths[-40:]) == {3}
+    assert padded["tokens_per_forward"] == 1.0
+    verified = lengths[:-1]  # the last draft is never verified
+    assert padded["modeled_speedup"] == round(
+        120 / (1 + sum(costs.units(n) for n in verified)), 3)
+    assert padded["modeled_speedup"] > 1.0
 
-    def nothing(context, n):
-        return np.empty(0, dtype=np.int32)
 
-    plain = replay([record], lambda r: nothing, k=8, draft_token_cost=0.0, min_draft_len=3,
-                   step_costs=costs)
-    padded = replay([record], lambda r: nothing, k=8, draft_token_cost=0.0, min_draft_len=3,
-                    step_costs=costs, pad_drafts=True)
-    assert plain["mean_draft_len"] == 0.0 and plain["modeled_speedup"] == 1.0
-    # Padded to 3 (the first of the cheapest): 2 3 4 accepted + 5, then 6 7 8 + 1: 3 forwards.
-    assert padded["tokens_per_forward"] == round(8 / 3, 3) and padded["mean_draft_len"] == 3.0
-    assert padded["modeled_speedup"] == round(8 / (1 + 2 * 45 / 50), 3)
+class FakeStates:
+    """Random hidden states per position of a record, the same for every layer."""
+
+    hidden_size = 8
+    vocab_size = 1000
+
+    def __call__(self, record, layer=None):
+        n = len(record["prompt"]) + len(record["output"])
+        return np.random.default_rng(n).standard_normal((n, self.hidden_size)).astype(np.float32)
+
+
+def test_pld_plus_gets_the_states_of_its_accepted_tokens():
+    """PLD+ drafts from the states vLLM's runner hands it (``record_hidden_states``): at every
+    step, those of every context position but the last, as from the whole sequence."""
+    from vllm_retrieval_spec.proposers.hidden_states import unit_rows
+    from vllm_retrieval_spec.proposers.pld_plus import pld_plus_draft
+
+    record = {"prompt": [1, 2, 3, 1, 4, 5, 1, 2, 6, 1],
+              "output": [4, 5, 1, 2, 3, 1, 4, 5, 1, 2, 6, 7, 1, 2, 3]}
+    states = FakeStates()
+    proposer = build_proposer({"method": "pld_plus", **EXACT, "min_similarity": -1.0},
+                              VLLM_CPU_DEFAULTS, states)
+    seen = []
+    propose = proposer.propose
+
+    def spy(sampled, num_tokens, tokens):
+        drafts = propose(sampled, num_tokens, tokens)
+        seen.append((tokens[0, :num_tokens[0]].copy(), drafts[0]))
+        return drafts
+
+    proposer.propose = spy
+    result = Replay(proposer, StepCosts(0.0), states).run([record])
+    truth = unit_rows(states(record))
+    for context, draft in seen:
+        expected = pld_plus_draft(context, truth[:len(context) - 1], 3, proposer.config)
+        assert draft == expected.tolist()
+    assert result["tokens_per_forward"] > 1.0
+    with pytest.raises(ValueError, match="needs --model"):
+        build_proposer({"method": "pld_plus", **EXACT}, VLLM_CPU_DEFAULTS)
+
+
+def test_main_prints_one_line_per_task_and_config(tmp_path, capsys):
+    records = tmp_path / "run.plain.jsonl"
+    records.write_text("".join(json.dumps({"task": task, **REPEATING}) + "\n"
+                               for task in ("code-gen", "chat")))
+    main([str(records), "--configs", json.dumps([{"method": "pld", **EXACT}]),
+          "--grid", '{"num_speculative_tokens": [2, 3]}'])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["task"], r["config"]["num_speculative_tokens"]) for r in rows] == \
+        [("chat", 2), ("code-gen", 2), ("chat", 3), ("code-gen", 3)]
+    assert rows[-1]["tokens_per_forward"] == round(19 / 6, 3)

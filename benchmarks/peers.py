@@ -1,0 +1,63 @@
+"""vLLM's own drafting methods offline, behind the hooks ``benchmarks.replay`` calls, so that
+they replay beside ours from the same records: their own proposer classes over a stand-in input
+batch, not copies of them."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from vllm_retrieval_spec.contract import Capabilities
+
+
+class SuffixPeer:
+    """vLLM's own ``suffix`` method: its ``SuffixDecodingProposer`` behind the hooks replay
+    calls, over a stand-in input batch. Options are vLLM's speculative_config names
+    (``suffix_decoding_max_tree_depth``, ...), at vLLM's defaults."""
+
+    capabilities = Capabilities()
+    has_work_after_handover = False
+
+    def __init__(self, options: dict[str, Any], max_model_len: int) -> None:
+        from vllm.config import SpeculativeConfig
+        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+        spec = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)
+                if f.name.startswith("suffix_decoding_")}
+        unknown = set(options) - set(spec) - {"num_speculative_tokens"}
+        if unknown:
+            raise ValueError(f"unknown suffix option(s) {sorted(unknown)}; allowed: "
+                             f"num_speculative_tokens, {', '.join(sorted(spec))}")
+        # vLLM drafts as deep as the tree when num_speculative_tokens is not given.
+        spec = {"num_speculative_tokens": spec["suffix_decoding_max_tree_depth"],
+                **spec, **options}
+        self.k, self.max_model_len = spec["num_speculative_tokens"], max_model_len
+        self.proposer = SuffixDecodingProposer(SimpleNamespace(
+            speculative_config=SimpleNamespace(**spec),
+            model_config=SimpleNamespace(max_model_len=max_model_len)))
+        self.trees: dict[str, Any] = {}  # no trees
+        self.req_ids: list[str] = []
+        self.prompt_lens: dict[str, int] = {}
+
+    def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None) -> None:
+        self.req_ids = req_ids
+        self.prompt_lens = {r: n for r, n in self.prompt_lens.items() if r in set(req_ids)}
+
+    def propose(self, sampled: list[list[int]], num_tokens: np.ndarray,
+                token_ids: np.ndarray) -> list[list[int]]:
+        for req_id, tokens, n in zip(self.req_ids, sampled, num_tokens):
+            # A request's first propose follows its prefill, which sampled one token.
+            self.prompt_lens.setdefault(req_id, int(n) - len(tokens))
+        return self.proposer.propose(self.k, SimpleNamespace(
+            req_ids=self.req_ids, num_tokens_no_spec=num_tokens, token_ids_cpu=token_ids,
+            req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+            num_prompt_tokens=[self.prompt_lens[r] for r in self.req_ids]), sampled)
+
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
