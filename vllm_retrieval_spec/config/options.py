@@ -203,7 +203,7 @@ class DenseOptions:
 @dataclass(frozen=True, kw_only=True)
 class ServedOptions:
     """Hybrid's store of what the engine has served (``datastore.served``,
-    ``sources.served``)."""
+    ``sources.suffix_array``)."""
 
     #: "shared" drafts every request from every finished request's tokens; "per_request":
     #: each request names the store it is drafted from and stored in

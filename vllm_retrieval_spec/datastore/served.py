@@ -258,6 +258,17 @@ class ServedStore:
         return documents
 
 
+#: ``SamplingParams.extra_args`` key naming a request's served store (``served_store:
+#: "per_request"``); the OpenAI server fills extra_args from a request's ``vllm_xargs``.
+SERVED_STORE_KEY = "served_store_key"
+
+
+def served_store_key(sampling_params: object) -> str | None:
+    """The request's served-store key (its ``str``), or None when it names none."""
+    key = (getattr(sampling_params, "extra_args", None) or {}).get(SERVED_STORE_KEY)
+    return None if key is None else str(key)
+
+
 class KeyedServedStores:
     """One served store per key, for ``served_store: "per_request"``: a request is drafted from,
     and stored in, only the store its key names, so requests learn only from requests with the

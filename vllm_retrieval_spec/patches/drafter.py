@@ -83,7 +83,7 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
         if verifier is not None or capabilities.drafts_before_sampling else None
     keys = None
     if capabilities.served_store_keys:
-        from vllm_retrieval_spec.sources.served import served_store_key
+        from vllm_retrieval_spec.datastore.served import served_store_key
 
         keys = [served_store_key(p) for p in params]
     drafter.observe_batch(req_ids, greedy if verifier is not None else None, keys)

@@ -33,7 +33,6 @@ from vllm_retrieval_spec.sources.base import Gated, Vote
 from vllm_retrieval_spec.sources.context import ContextSource, LastTokenBranches
 from vllm_retrieval_spec.sources.dense import (
     DenseSource, matching_continuations, project_last_states, searched)
-from vllm_retrieval_spec.sources.served import ServedSource
 from vllm_retrieval_spec.sources.served_dense import ServedDenseSource
 from vllm_retrieval_spec.sources.suffix_array import SuffixArraySource
 
@@ -188,18 +187,20 @@ def hybrid_trie(config: HybridConfig, datastore: SuffixArrayDatastore | None = N
     sources: list[Any] = [own]
     served_source = None
     if served is not None:
-        served_source = ServedSource(served, match.min_match_len, match.max_match_len,
-                                     match.max_occurrences,
-                                     Vote(config.served.served_weight, per_token=True,
-                                          shared=True))
+        # Searched whatever the context match: a few microseconds, and the model's own earlier
+        # answers often continue further than the request's own text does.
+        served_source = SuffixArraySource(
+            served, match.min_match_len, match.max_match_len, match.max_occurrences,
+            Vote(config.served.served_weight, per_token=True, shared=True), name="served",
+            stateful=True)
         sources.append(served_source)
     if config.trie.tree == "on" and config.tree_branch_weight:
         sources.append(LastTokenBranches(own, served_source, config.tree_branch_weight))
     if datastore is not None:
         # Occurrences in a large corpus are many and alike: together they weigh as one.
         sources.append(Gated(SuffixArraySource(
-            datastore, match.min_match_len, match.max_match_len, match.max_occurrences,
-            Vote(1.0, per_token=True, shared=True)), skip))
+            lambda row: datastore, match.min_match_len, match.max_match_len,
+            match.max_occurrences, Vote(1.0, per_token=True, shared=True)), skip))
     if dense is not None:
         sources.append(Gated(DenseSource(dense, dense_neighbours, config.dense.dense_weight,
                                          top_n), skip))

@@ -20,6 +20,6 @@ def make_drafter(config: RestConfig, vllm_config: Any,
     datastore = SuffixArrayDatastore.from_path(config.store.datastore, verify_checksums=False)
     match = config.match
     # Every occurrence of the same suffix is equally good evidence: one vote each.
-    source = SuffixArraySource(datastore, match.min_match_len, match.max_match_len,
+    source = SuffixArraySource(lambda row: datastore, match.min_match_len, match.max_match_len,
                                match.max_occurrences, Vote())
     return TrieDrafter([source], TrieSelection(config.trie, config.drafting.min_draft_len))

@@ -9,6 +9,7 @@ import numba
 import numpy as np
 
 from vllm_retrieval_spec.sources.base import Ballot, Vote
+from vllm_retrieval_spec.sources.suffix_array import SuffixArraySource
 
 
 @numba.njit(cache=True)
@@ -103,7 +104,8 @@ class LastTokenBranches:
     stateful = False
     precomputable = True
 
-    def __init__(self, context: ContextSource, served: Any, weight: float) -> None:
+    def __init__(self, context: ContextSource, served: SuffixArraySource | None,
+                 weight: float) -> None:
         self.context = context
         self.served = served
         self.vote_rule = Vote(weight, per_token=True, shared=True)
