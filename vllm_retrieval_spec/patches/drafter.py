@@ -78,9 +78,10 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
     capabilities = drafter.capabilities
     verifier = tree_verifier(runner)
     req_ids = list(runner.input_batch.req_ids)
-    params = [runner.requests[r].sampling_params for r in req_ids]
-    greedy = [tree_eligible(p) for p in params] \
-        if verifier is not None or capabilities.drafts_before_sampling else None
+    wants_greedy = verifier is not None or capabilities.drafts_before_sampling
+    params = [runner.requests[r].sampling_params for r in req_ids] \
+        if wants_greedy or capabilities.served_store_keys else []
+    greedy = [tree_eligible(p) for p in params] if wants_greedy else None
     keys = None
     if capabilities.served_store_keys:
         from vllm_retrieval_spec.datastore.served import served_store_key
