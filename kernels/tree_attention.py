@@ -136,12 +136,21 @@ def tree_attention_reference(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.
     ``h // (num_heads // num_kv_heads)``. The softmax is computed in float32. ``parents`` may be
     on another device than ``q`` (it is small)."""
     _check(q, k_ctx, v_ctx, k_tree, v_tree, parents)
+    return masked_tree_attention_reference(q, k_ctx, v_ctx, k_tree, v_tree,
+                                           tree_ancestor_mask(parents).to(q.device), scale)
+
+
+def masked_tree_attention_reference(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                                    k_tree: torch.Tensor, v_tree: torch.Tensor,
+                                    mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`tree_attention_reference` given the rows' bool mask over the tree's nodes
+    (``[rows, n]``, on ``q``'s device) instead of the parents: ``q`` may hold only some
+    nodes' rows (the paged kernel's reference computes the rows after a leading chain)."""
     group = q.shape[1] // k_ctx.shape[1]
     keys = torch.cat([k_ctx, k_tree]).float().repeat_interleave(group, dim=1)
     values = torch.cat([v_ctx, v_tree]).float().repeat_interleave(group, dim=1)
-    visible = torch.cat([torch.ones(len(parents), len(k_ctx), dtype=torch.bool,
-                                    device=q.device),
-                         tree_ancestor_mask(parents).to(q.device)], dim=1)
+    visible = torch.cat([torch.ones(len(q), len(k_ctx), dtype=torch.bool, device=q.device),
+                         mask], dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values).to(q.dtype)
@@ -195,8 +204,10 @@ _softmax_step: Any = None  # a Triton function, made by _kernels()
 @functools.cache
 def _kernels() -> tuple[Any, Any, Any]:
     # The attention kernel calls this helper by a module-level name: Triton's interpreter runs
-    # a kernel's source again with the module's globals, without the closure of this function.
-    global _softmax_step
+    # a kernel's source again with the module's globals, without the closure of this function,
+    # and needs triton.language among them when the helper is called first from another
+    # module's kernel (paged_tree_attention.py).
+    global _softmax_step, tl
     import triton
     import triton.language as tl
 
