@@ -181,9 +181,10 @@ def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_t
     torch = pytest.importorskip("torch")
     from vllm_retrieval_spec.drafting.tree import TreeDraft
     from vllm_retrieval_spec.verification.core import TreeVerifier
+    from vllm_retrieval_spec.verification.cpu import PagedKV
 
     tree = TreeDraft(TOKENS, PARENTS, 1, 0.5)
-    verifier = TreeVerifier(paged=None)
+    verifier = TreeVerifier(PagedKV("vec", 64))
     # Rows: a (its tree, cut to 4 nodes by the scheduler), b (a prefill chunk), c (tokens that
     # are not its tree's: verified as the chain vLLM takes them for), d (a chain).
     scheduled = {"a": TOKENS[:4].tolist(), "c": [10, 11, 99], "d": [1, 2]}

@@ -32,6 +32,8 @@ DISABLE_ENV = "VLLM_RSD_DISABLE"
 _RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 _FORWARD = ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
             "model_kwargs")
+_ATTENTION = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+              "output_scale", "output_block_scale")
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,17 @@ PATCHES = (
           drafter.drafter_aux_layers_first),
     Patch(f"{_RUNNER}._prepare_inputs", ("self", "scheduler_output", "num_scheduled_tokens"),
           drafter.keeping_logits_indices),
+    Patch(f"{_RUNNER}.initialize_kv_cache",
+          ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"),
+          trees.with_tree_verifier),
     Patch(f"{_RUNNER}._prepare_inputs", ("self", "scheduler_output", "num_scheduled_tokens"),
           trees.with_tree_positions),
     Patch("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
-          ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
-           "output_scale", "output_block_scale"), trees.with_tree_attention, "cpu"),
+          _ATTENTION, trees.with_tree_attention, "cpu"),
+    Patch("vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", _ATTENTION,
+          trees.with_tree_attention, "accelerator"),
+    Patch("vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward", _ATTENTION,
+          trees.with_tree_attention, "accelerator"),
     Patch(f"{_RUNNER}._model_forward", _FORWARD, drafter.searching_ahead_after),
     # On an accelerator the next step's drafts are made right after the next forward is
     # launched, while the host would only wait for it; on vLLM-CPU the forward runs on the same

@@ -69,6 +69,12 @@ class MethodConfig:
         for name in self._groups():
             getattr(self, name).check(self.method)
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether this config drafts token trees (``"tree": "on"``)."""
+        trie = getattr(self, "trie", None)
+        return trie is not None and trie.tree == "on"
+
     def check_own(self) -> None:
         """Checks of the method's own options and across its groups."""
 

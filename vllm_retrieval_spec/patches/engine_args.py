@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from vllm_retrieval_spec.config import (
     METHODS, PLUGIN_KEY, ConfigError, PldPlusConfig, parse_speculative_config, platform_defaults)
@@ -26,6 +27,8 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
 
             config = parse_speculative_config(options, platform_defaults(current_platform.is_cpu()))
             validate_against_model(config, target_model_config)
+            if config.drafts_trees and not current_platform.is_cpu():
+                piecewise_cuda_graphs_for_trees(self.compilation_config)
             self.additional_config = {**(self.additional_config or {}),
                                       PLUGIN_KEY: config.to_dict()}
             self.speculative_config = {
@@ -57,3 +60,21 @@ def without_prefix_caching_for_pld_plus(create_engine_config: Callable) -> Calla
         return create_engine_config(self, *args, **kwargs)
 
     return wrapper
+
+
+def piecewise_cuda_graphs_for_trees(compilation_config: Any) -> None:
+    """Tree rows are attended again by a wrapper of the attention backend's ``forward``
+    (``verification.cuda``), which a full CUDA graph's replay never calls: with trees on,
+    graphs stay piecewise (attention runs eagerly between them) or off. vLLM's default
+    (FULL_AND_PIECEWISE) becomes PIECEWISE; an explicit full mode is refused."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = compilation_config.cudagraph_mode
+    if mode is None:
+        logger.info("tree drafts: CUDA graphs are piecewise (attention runs outside them)")
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+        raise ConfigError(
+            f"tree drafts need attention outside CUDA graphs, and cudagraph_mode {mode.name} "
+            "captures it: use cudagraph_mode PIECEWISE or NONE (-cc.cudagraph_mode=PIECEWISE), "
+            "or set \"tree\": \"off\"")

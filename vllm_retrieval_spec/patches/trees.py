@@ -16,26 +16,42 @@ logger = logging.getLogger(__name__)
 
 
 def tree_verifier(runner: Any) -> Any:
-    """The runner's tree verifier, made at its first step once the KV cache exists; None where
-    the drafter drafts no trees or this platform cannot verify them."""
+    """The runner's tree verifier, made once its KV cache exists; None where the drafter
+    drafts no trees (or vLLM-CPU's cache is laid out otherwise, logged). ``ConfigError``
+    where this model or attention backend cannot verify trees (``verification.cuda``)."""
     if "_rsd_tree_verifier" in runner.__dict__:
         return runner._rsd_tree_verifier
     verifier = None
     drafter = drafter_of(runner)
-    if drafter is not None and drafter.capabilities.trees:
+    if drafter is not None and drafter.capabilities.trees and runner.kv_caches:
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            logger.warning("tree drafts need vLLM-CPU's attention backend in this version; "
-                           "drafts stay chains on this platform")
-        elif runner.kv_caches:
+        if current_platform.is_cpu():
             from vllm_retrieval_spec.verification.cpu import cpu_tree_verifier
 
             verifier = cpu_tree_verifier(runner.kv_caches[0],
                                          runner.model_config.get_head_size(),
                                          runner.cache_config.cache_dtype)
+        else:
+            from vllm_retrieval_spec.verification.cuda import cuda_tree_verifier
+
+            verifier = cuda_tree_verifier(runner)
     runner._rsd_tree_verifier = verifier
     return verifier
+
+
+def with_tree_verifier(initialize_kv_cache: Callable) -> Callable:
+    """The verifier is made as soon as the KV cache exists, at start-up, so that a model or
+    backend that cannot verify trees fails there, before any request."""
+
+    @functools.wraps(initialize_kv_cache)
+    def wrapper(self, *args, **kwargs):
+        result = initialize_kv_cache(self, *args, **kwargs)
+        self.__dict__.pop("_rsd_tree_verifier", None)
+        tree_verifier(self)
+        return result
+
+    return wrapper
 
 
 #: The tree verifier of this process's runner while a step with trees is in flight: the

