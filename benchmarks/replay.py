@@ -19,7 +19,8 @@ Where replay is not the engine:
 - Time is simulated: a step takes the time of the draft length it verified, measured
   (``--verify-cost``) or 1 + ``draft_token_cost`` x d steps without a draft. ``pad_drafts``
   learns from that clock as from the engine's, padding drafts to measure lengths first. A tree
-  costs what a chain of as many tokens does; with ``--batch`` each row costs what it would alone.
+  costs its own measured curve (``--tree-verify-cost``), else what a chain of as many tokens
+  does; with ``--batch`` each row costs what it would alone.
 - Hidden states (``--model``) come from one transformers forward over the recorded sequence:
   the true prefix's states, also at rejected draft tokens (vLLM's would be a wrong token's
   there). Only accepted rows are kept (PLD+) or become queries (``last_state_rows``), so the
@@ -51,7 +52,7 @@ from vllm_retrieval_spec.drafting.overlap import last_state_rows
 from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.hidden_states import accepted_state_segments
-from vllm_retrieval_spec.verification.core import greedy_tree_walk, tree_depths
+from vllm_retrieval_spec.verification.core import greedy_tree_walk, is_chain, tree_depths
 
 #: The engine's context length unless a record needs more (SmolLM2's).
 MAX_MODEL_LEN = 8192
@@ -91,15 +92,22 @@ def measured_step_costs(path: str, k: int) -> list[float]:
 @dataclass(frozen=True)
 class StepCosts:
     """A step verifying d draft tokens costs ``curve[d] / curve[0]`` steps without a draft
-    where measured, else 1 + ``draft_token_cost`` x d."""
+    where measured, else 1 + ``draft_token_cost`` x d; a tree of d nodes ``tree_curve[d] /
+    curve[0]`` where that was measured (its attention differs), else what a chain does."""
 
     draft_token_cost: float
     curve: list[float] | None = None
+    tree_curve: list[float] | None = None
 
-    def units(self, draft_len: int) -> float:
+    def __post_init__(self) -> None:
+        if self.tree_curve is not None and self.curve is None:
+            raise ValueError("a tree step-cost curve needs the chain's (--verify-cost) too")
+
+    def units(self, draft_len: int, tree: bool = False) -> float:
         if self.curve is None:
             return 1.0 + self.draft_token_cost * draft_len
-        return self.curve[min(draft_len, len(self.curve) - 1)] / self.curve[0]
+        curve = self.tree_curve if tree and self.tree_curve is not None else self.curve
+        return curve[min(draft_len, len(curve) - 1)] / self.curve[0]
 
 
 def fake_vllm_config(config: MethodConfig, *, world_size: int = 1,
@@ -287,11 +295,13 @@ class Replay:
         base = np.zeros(self.batch, dtype=np.int32)
         for i, r in enumerate(batch):
             drafted = len(r.draft) if r.done else 0
+            tree = drafted > 0 and r.tree is not None and not is_chain(r.tree.parents[:drafted])
+            units = self.costs.units(drafted, tree)
             self.forwards += 1
             self.decode_steps += r.done > 0
             self.drafted += drafted
-            self.cost += self.costs.units(drafted)
-            self.now += round(PLAIN_STEP_NS * self.costs.units(drafted))
+            self.cost += units
+            self.now += round(PLAIN_STEP_NS * units)
             base[i] = r.num_tokens
             self.tokens[i, :base[i]] = r.sequence[:base[i]]
         return base
@@ -340,7 +350,8 @@ class Replay:
 
 def replay_config(options: dict[str, Any], records: list[dict[str, Any]],
                   platform: PlatformDefaults, states: TransformersStates | None = None,
-                  verify_cost: str | None = None, batch: int = 1) -> dict[str, Any]:
+                  verify_cost: str | None = None, batch: int = 1,
+                  tree_verify_cost: str | None = None) -> dict[str, Any]:
     """One config over ``records`` with a fresh drafter; its summary."""
     max_model_len = max([MAX_MODEL_LEN] + [len(r["prompt"]) + len(r["output"]) + 1
                                            for r in records])
@@ -352,8 +363,10 @@ def replay_config(options: dict[str, Any], records: list[dict[str, Any]],
         drafter = build_proposer(options, platform, states, max_model_len)
         draft_token_cost = drafter.config.drafting.draft_token_cost
     curve = measured_step_costs(verify_cost, drafter.k) if verify_cost else None
+    tree_curve = measured_step_costs(tree_verify_cost, drafter.k) if tree_verify_cost else None
     try:
-        return Replay(drafter, StepCosts(draft_token_cost, curve), states, batch).run(records)
+        return Replay(drafter, StepCosts(draft_token_cost, curve, tree_curve), states,
+                      batch).run(records)
     finally:
         drafter.close()
 
@@ -374,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
                              "configs get, and so whose verification cost is modelled")
     parser.add_argument("--verify-cost", help="a verify_cost results JSON: each step costs its "
                         "measured time for that many draft tokens instead of a linear cost")
+    parser.add_argument("--tree-verify-cost", help="the same for steps verifying a tree "
+                        "(benchmarks/gpu_check.py measures both); needs --verify-cost")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests decoding at once (records join as others finish)")
     args = parser.parse_args(argv)
@@ -389,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
             options = {"num_speculative_tokens": args.k, **options}
         for task in tasks:
             result = replay_config(options, [r for r in records if r["task"] == task], platform,
-                                   states, args.verify_cost, args.batch)
+                                   states, args.verify_cost, args.batch,
+                                   args.tree_verify_cost)
             print(json.dumps({"task": task, "config": options, **result}), flush=True)
 
 
