@@ -61,3 +61,43 @@ class SuffixPeer:
 
     def close(self) -> None:
         pass
+
+
+class NgramPeer:
+    """vLLM's own ``ngram`` method: its ``NgramProposer`` behind the hooks replay calls. Options
+    are vLLM's (``prompt_lookup_min``, ``prompt_lookup_max``, ``num_speculative_tokens``), at
+    the values ``vllm-rsd bench`` runs it with unless given."""
+
+    capabilities = Capabilities()
+    has_work_after_handover = False
+    #: ``vllm-rsd bench``'s ngram (``bench/throughput.py``): n from 4 down to 2.
+    DEFAULTS = {"num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+    def __init__(self, options: dict[str, Any], max_model_len: int) -> None:
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+        unknown = set(options) - set(self.DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown ngram option(s) {sorted(unknown)}; allowed: "
+                             f"{', '.join(self.DEFAULTS)}")
+        spec = {**self.DEFAULTS, **options}
+        self.k, self.max_model_len = spec["num_speculative_tokens"], max_model_len
+        self.proposer = NgramProposer(SimpleNamespace(
+            speculative_config=SimpleNamespace(**spec),
+            model_config=SimpleNamespace(max_model_len=max_model_len),
+            scheduler_config=SimpleNamespace(max_num_seqs=1024),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1)))
+        self.trees: dict[str, Any] = {}  # no trees
+
+    def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None) -> None:
+        pass
+
+    def propose(self, sampled: list[list[int]], num_tokens: np.ndarray,
+                token_ids: np.ndarray) -> list[list[int]]:
+        return self.proposer.propose(self.k, sampled, num_tokens, token_ids)
+
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass

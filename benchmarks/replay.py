@@ -11,7 +11,8 @@ to tune drafting rules; confirm winners with ``vllm-rsd bench``.
         --configs '[{"method": "pld"}, {"method": "hybrid"}, {"method": "suffix"}]' \
         --grid '{"min_prefix_prob": [0.2, 0.3]}'
 
-One JSON line per task and config; ``{"method": "suffix"}`` is vLLM's own suffix decoding.
+One JSON line per task and config; ``{"method": "suffix"}`` and ``{"method": "ngram"}`` are
+vLLM's own methods (``benchmarks.peers``).
 Each task's records are served in file order, ``--batch`` at a time, by a fresh drafter; a
 request is finished once it leaves the batch, so a served store learns as in the engine.
 
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.hidden_states import TransformersStates
-from benchmarks.peers import SuffixPeer
+from benchmarks.peers import NgramPeer, SuffixPeer
 from vllm_retrieval_spec.config import (
     ACCELERATOR_DEFAULTS, PLUGIN_KEY, VLLM_CPU_DEFAULTS, MethodConfig, PlatformDefaults,
     parse_speculative_config)
@@ -212,7 +213,7 @@ class Request:
 class Replay:
     """Recorded requests through a drafter, step by step as vLLM's runner drives it."""
 
-    def __init__(self, drafter: RetrievalProposer | SuffixPeer, costs: StepCosts,
+    def __init__(self, drafter: RetrievalProposer | SuffixPeer | NgramPeer, costs: StepCosts,
                  states: Any = None, batch: int = 1, trace: bool = False) -> None:
         self.drafter, self.costs, self.states, self.batch = drafter, costs, states, batch
         #: The simulated clock (ns); each forward advances it by its cost.
@@ -355,9 +356,10 @@ def replay_config(options: dict[str, Any], records: list[dict[str, Any]],
     """One config over ``records`` with a fresh drafter; its summary."""
     max_model_len = max([MAX_MODEL_LEN] + [len(r["prompt"]) + len(r["output"]) + 1
                                            for r in records])
-    if options.get("method") == "suffix":
-        drafter: Any = SuffixPeer({k: v for k, v in options.items() if k != "method"},
-                                  max_model_len)
+    peer = {"suffix": SuffixPeer, "ngram": NgramPeer}.get(options.get("method"))
+    if peer is not None:
+        drafter: Any = peer({k: v for k, v in options.items() if k != "method"},
+                            max_model_len)
         draft_token_cost = platform.draft_token_cost
     else:
         drafter = build_proposer(options, platform, states, max_model_len)
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     states = TransformersStates(args.model) if args.model else None
     grid = json.loads(args.grid)
     for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
-        if options.get("method") != "suffix":
+        if options.get("method") not in ("suffix", "ngram"):
             options = {"num_speculative_tokens": args.k, **options}
         for task in tasks:
             result = replay_config(options, [r for r in records if r["task"] == task], platform,

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.peers import SuffixPeer
+from benchmarks.peers import NgramPeer, SuffixPeer
 from benchmarks.replay import (
     PLAIN_STEP_NS, Replay, Request, StepCosts, build_proposer, expand_grid, fake_vllm_config,
     main, measured_step_costs)
@@ -178,6 +178,22 @@ def test_suffix_peer_replays_vllms_suffix_decoding():
     assert result["tokens_per_forward"] == round(120 / (60 + 8), 3)
     with pytest.raises(ValueError, match="unknown suffix option"):
         SuffixPeer({"max_tree_depth": 8}, 1024)
+
+
+def test_ngram_peer_replays_vllms_ngram_proposer():
+    """vLLM's own n-gram proposer drafts from the request's context only: a repeated phrase is
+    drafted (k tokens after the longest 2..4-gram match); nothing is learned across requests."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    record = {"prompt": prompt, "output": [4, 5, 6, 7, 8, 9, 50, 51]}
+    peer = NgramPeer({"num_speculative_tokens": 3}, max_model_len=1024)
+    result, trace = replay(peer, [record, record])
+    # After the prefill samples 4: "2 3 4" matched, "5 6 7" drafted and accepted, bonus 8; then
+    # "9 1 2" drafted after "7 8", 9 accepted, bonus 50.
+    assert [d for [d] in trace[:3]] == [[5, 6, 7], [9, 1, 2], []]
+    assert trace[:len(trace) // 2] == trace[len(trace) // 2:]
+    assert result["tokens_per_forward"] == round(16 / 8, 3)
+    with pytest.raises(ValueError, match="unknown ngram option"):
+        NgramPeer({"n": 3}, 1024)
 
 
 def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
