@@ -1,0 +1,111 @@
+"""Modelled GPU speedups: acceptance replayed from recorded greedy outputs, step times measured
+on a GPU (``benchmarks/gpu_check.py``'s chain and tree step-cost curves), every method beside
+vLLM's ``ngram`` and ``suffix`` in one run.
+
+    python -m benchmarks.modelled_gpu benchmarks/results/padded-drafts-30-prompts.plain.jsonl \
+        --chain-cost CHAIN.json --tree-cost TREE.json --run-name modelled-gpu-h100 \
+        [--rest-datastore DIR]
+
+``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
+``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
+used. Our methods get the accelerator's defaults with ``draft_token_cost`` fitted to the chain
+curve (``fitted_draft_token_cost``), so their drafting rules see the measured cost. Every row is
+modelled, not measured in an engine: tokens per forward from replay, time from the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from benchmarks.replay import load_records, measured_step_costs, replay_config
+from vllm_retrieval_spec.bench.report import (
+    markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.config import ACCELERATOR_DEFAULTS
+
+#: Draft lengths the fitted per-token cost is taken over: what chains of our methods verify.
+FIT_LENGTHS = range(0, 17)
+
+
+def fitted_draft_token_cost(curve: list[float]) -> float:
+    """The least-squares slope of step time against draft length over ``FIT_LENGTHS``, as a
+    fraction of a step without a draft (the accelerator's ``draft_token_cost``)."""
+    lengths = np.array([d for d in FIT_LENGTHS if d < len(curve)], dtype=np.float64)
+    times = np.array([curve[int(d)] for d in lengths])
+    slope = np.polyfit(lengths, times, 1)[0]
+    return round(max(float(slope), 0.0) / curve[0], 4)
+
+
+def method_configs(k: int, tree_k: int, rest_datastore: str | None) -> dict[str, dict]:
+    """The rows' names and speculative configs: vLLM's two, then ours."""
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": k},
+               "suffix": {"method": "suffix"},
+               "pld": {"method": "pld", "num_speculative_tokens": k}}
+    if rest_datastore:
+        configs["rest"] = {"method": "rest", "num_speculative_tokens": k,
+                           "datastore": rest_datastore}
+    configs["hybrid"] = {"method": "hybrid", "num_speculative_tokens": k}
+    configs["hybrid/tree"] = {"method": "hybrid", "num_speculative_tokens": tree_k,
+                              "tree": "on"}
+    return configs
+
+
+def modelled_rows(records: list[dict[str, Any]], configs: dict[str, dict], chain_cost: str,
+                  tree_cost: str) -> tuple[list[dict[str, Any]], float]:
+    """One row per task and method, and the fitted draft-token cost."""
+    draft_token_cost = fitted_draft_token_cost(measured_step_costs(chain_cost, 16))
+    platform = dataclasses.replace(ACCELERATOR_DEFAULTS, draft_token_cost=draft_token_cost)
+    rows = []
+    for task in sorted({r.get("task", "code-gen") for r in records}):
+        ours = [r for r in records if r.get("task", "code-gen") == task]
+        for name, options in configs.items():
+            result = replay_config(options, ours, platform, verify_cost=chain_cost,
+                                   tree_verify_cost=tree_cost if "tree" in options else None)
+            rows.append({"task": task, "method": name, "config": options, "prompts": len(ours),
+                         **{key: result[key] for key in ("modeled_speedup", "tokens_per_forward",
+                                                         "mean_draft_len")}})
+        suffix = next(r for r in rows if r["task"] == task and r["method"] == "suffix")
+        for row in rows:
+            if row["task"] == task:
+                row["vs_suffix"] = round(row["modeled_speedup"] / suffix["modeled_speedup"], 3)
+    return rows, draft_token_cost
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("outputs", nargs="+", help="<run>.plain.jsonl written by vllm-rsd bench")
+    parser.add_argument("--chain-cost", required=True, help="step times verifying chains")
+    parser.add_argument("--tree-cost", required=True, help="step times verifying trees")
+    parser.add_argument("--run-name", required=True)
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--rest-datastore", help="a build-datastore directory for the rest row")
+    parser.add_argument("-k", type=int, default=32, help="num_speculative_tokens of chains")
+    parser.add_argument("--tree-k", type=int, default=64, help="nodes of hybrid's trees at most")
+    args = parser.parse_args(argv)
+    records = [r for path in args.outputs for r in load_records(path)]
+    rows, draft_token_cost = modelled_rows(
+        records, method_configs(args.k, args.tree_k, args.rest_datastore), args.chain_cost,
+        args.tree_cost)
+    results = results_document(args.run_name, module_command("benchmarks.modelled_gpu", argv),
+                               rows, model="SmolLM2-135M-Instruct (recorded outputs)",
+                               modelled=True, chain_cost=args.chain_cost,
+                               tree_cost=args.tree_cost,
+                               fitted_draft_token_cost=draft_token_cost)
+    body = [f"Modelled, not measured in an engine: tokens per forward replayed from recorded "
+            f"outputs, step times from `{args.chain_cost}` and `{args.tree_cost}`; our methods "
+            f"at the accelerator's defaults with draft_token_cost {draft_token_cost} (fitted).",
+            "", *markdown_table([("task", "task"), ("method", "method"),
+                                 ("modelled speedup", "modeled_speedup"),
+                                 ("vs suffix", "vs_suffix"),
+                                 ("tokens/forward", "tokens_per_forward"),
+                                 ("mean draft", "mean_draft_len")], rows)]
+    json_path, md_path = write_report(results, args.out_dir, body)
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()

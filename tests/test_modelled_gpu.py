@@ -1,0 +1,54 @@
+"""benchmarks/modelled_gpu.py: the modelled GPU table from recorded outputs and step-cost
+curves, on tiny records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.modelled_gpu import fitted_draft_token_cost, main
+
+
+def test_the_fitted_cost_is_the_slope_per_step_without_a_draft():
+    assert fitted_draft_token_cost([10.0 + 0.2 * d for d in range(65)]) == 0.02
+    # Only the lengths chains verify (0..16) count; a flat curve costs nothing.
+    assert fitted_draft_token_cost([5.0] * 17 + [50.0] * 48) == 0.0
+
+
+def write_curve(path, times):
+    path.write_text(json.dumps({"rows": [
+        {"context_tokens": 512, "draft_len": d, "ms_per_step_median": t}
+        for d, t in times.items()]}))
+    return str(path)
+
+
+def test_every_method_beside_suffix_per_task(tmp_path):
+    phrase = [5, 6, 7, 8, 9, 10, 11, 12]
+    records = [{"task": task, "prompt": [1, 2, *phrase, 3], "output": [*phrase, 4, *phrase, 4]}
+               for task in ("code-gen", "chat") for _ in range(2)]
+    outputs = tmp_path / "run.plain.jsonl"
+    outputs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    chain = write_curve(tmp_path / "chain.json", {0: 10.0, 1: 10.1, 16: 11.6, 64: 16.4})
+    tree = write_curve(tmp_path / "tree.json", {0: 10.0, 1: 10.2, 16: 12.0, 64: 20.0})
+    main([str(outputs), "--chain-cost", chain, "--tree-cost", tree, "--run-name", "modelled",
+          "--out-dir", str(tmp_path), "-k", "8", "--tree-k", "16"])
+    results = json.loads((tmp_path / "modelled.json").read_text())
+    assert results["modelled"] is True and results["fitted_draft_token_cost"] == 0.01
+    assert [(r["task"], r["method"]) for r in results["rows"]] == [
+        (task, method) for task in ("chat", "code-gen")
+        for method in ("ngram", "suffix", "pld", "hybrid", "hybrid/tree")]
+    for row in results["rows"]:
+        assert row["prompts"] == 2 and row["tokens_per_forward"] >= 1.0
+        if row["method"] == "suffix":
+            assert row["vs_suffix"] == 1.0
+    # The repeated phrase is drafted from the context: pld beats a step per token.
+    pld = next(r for r in results["rows"] if r["method"] == "pld")
+    assert pld["tokens_per_forward"] > 1.5 and pld["modeled_speedup"] > 1.2
+    page = (tmp_path / "modelled.md").read_text()
+    assert "Modelled, not measured" in page and "| chat | hybrid/tree |" in page
+
+
+def test_a_tree_curve_is_required(tmp_path):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "x.jsonl"), "--chain-cost", "c.json", "--run-name", "x"])
