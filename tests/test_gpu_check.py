@@ -1,0 +1,157 @@
+"""benchmarks/gpu_check.py, the one command a lent GPU machine runs, from its ``--tiny`` run on
+CPU under Triton's interpreter: every section is there and its checks hold, and each step-cost
+curve turns into a file that replay's ``measured_step_costs`` reads. Its times mean nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.gpu_check import (
+    TINY_PLAN,
+    Report,
+    leading_chain_len,
+    main,
+    node_depths,
+    verify_tree,
+)
+from vllm_retrieval_spec.verification import core
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_verify_trees_put_their_chain_first_and_match_the_verifier():
+    assert verify_tree(0) == [] and verify_tree(1) == [-1]
+    assert verify_tree(2) == [-1, -1]
+    assert verify_tree(8) == [-1, 0, 1, 2, -1, 4, 0, 6]
+    for n in (2, 3, 4, 8, 16, 32, 64):
+        parents = verify_tree(n)
+        assert len(parents) == n and core.valid_tree(np.array(parents))
+        assert leading_chain_len(parents) == (n + 1) // 2 == max(node_depths(parents))
+    # The device has only the package's kernels: these copies must agree with the product's.
+    for parents in ([], [-1], [-1, 0, 1], [-1, -1, 1], verify_tree(64)):
+        assert leading_chain_len(parents) == core.leading_chain_len(np.array(parents, int))
+        assert node_depths(parents) == core.tree_depths(np.array(parents, int)).tolist()
+
+
+def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
+    report = Report(tmp_path / "r.json", {"run": "r", "date": "d", "command": "c",
+                                          "device": {"device": "cpu", "torch": "t",
+                                                     "triton": "t", "transformers": "t"}})
+
+    def fails(result, save):
+        result["rows"] = [1]
+        save()
+        raise RuntimeError("boom")
+
+    report.section("first", fails)
+    assert json.loads((tmp_path / "r.json").read_text())["sections"]["first"]["rows"] == [1]
+    report.section("second", lambda result, save: result.update(ok=True))
+    sections = json.loads((tmp_path / "r.json").read_text())["sections"]
+    assert sections["first"]["ok"] is False and "RuntimeError: boom" in sections["first"]["error"]
+    assert sections["second"]["ok"] is True and not report.ok
+    assert "boom" in (tmp_path / "r.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("gpu-check") / "gpu-check.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return json.loads(out.read_text()), out
+
+
+def test_tiny_run_checks_the_kernels_against_their_references(tiny_run):
+    result, _ = tiny_run
+    sections = result["sections"]
+    assert list(sections) == ["kernels", "paged_kernel", "stream_safety", "step_cost"]
+    assert result["tiny"] is True and "interpreter" in result["device"]["device"]
+    kernels = [c["kernel"] for c in sections["kernels"]["checks"]]
+    assert kernels.count("tree_mask") == 4 and kernels.count("tree_attention") == 3
+    assert kernels.count("projection") == 2
+    paged = sections["paged_kernel"]["checks"]
+    assert len(paged) == 4 and all(c["untouched_equal"] for c in paged)
+    # Every tree computes its rows after its leading chain, or all of them in the first case.
+    assert paged[0]["first"] == [0] and paged[1]["first"] == [32, 16, 1, 1]
+    for section in ("kernels", "paged_kernel"):
+        assert sections[section]["ok"] is True
+        for c in sections[section]["checks"]:
+            assert c["ok"] and c["max_abs_err"] <= c["tolerance"], c
+    stream = sections["stream_safety"]
+    assert stream.get("skipped") == "benchmarks/stream_safety.py missing" or stream["ok"], stream
+
+
+def test_tiny_run_measures_every_curve(tiny_run):
+    result, _ = tiny_run
+    step_cost = result["sections"]["step_cost"]
+    assert step_cost["ok"] is True and step_cost["truncated"] is False
+    plan = TINY_PLAN
+    curves = {(b["model"], b["shape"], b["batch"]): b["rows"] for b in step_cost["blocks"]}
+    assert set(curves) == {("tiny", shape, batch) for shape in ("chain", "tree")
+                           for batch in plan.batches}
+    for (_, shape, _), rows in curves.items():
+        assert [(r["context_tokens"], r["draft_len"]) for r in rows] == [
+            (c, n) for c in plan.contexts for n in plan.draft_lens]
+        for row in rows:
+            assert len(row["ms_per_step"]) == plan.repeats and row["ms_per_step_median"] > 0
+            assert row["timing"] == "eager"
+            # The tree rows of a step (SDPA's leading chain, the kernel's others) against the
+            # reference, at the longest draft.
+            checked = shape == "tree" and row["draft_len"] == max(plan.draft_lens)
+            assert ("tree_rows_ok" in row) == checked
+            assert row.get("tree_rows_ok", True) is True
+            if shape == "tree":
+                assert row["rows_recomputed"] == row["draft_len"] // 2
+                assert ("trees_build_ms_median" in row) == (row["draft_len"] >= 2)
+
+
+def test_extracted_curves_are_what_replay_reads(tiny_run, tmp_path):
+    from benchmarks.replay import measured_step_costs
+
+    result, out = tiny_run
+    assert main(["--extract", "tiny", "tree", "2", "--results", str(out)]) == 0
+    extracted = out.with_name("gpu-check-tiny-tree-b2.json")
+    rows = next(b["rows"] for b in result["sections"]["step_cost"]["blocks"]
+                if (b["shape"], b["batch"]) == ("tree", 2))
+    costs = measured_step_costs(str(extracted), 6)
+    # Replay reads the shortest context: its lengths as measured, 5 and 6 along the last slope.
+    measured = {r["draft_len"]: r["ms_per_step_median"] for r in rows
+                if r["context_tokens"] == 32}
+    assert len(costs) == 7
+    assert [costs[n] for n in measured] == pytest.approx(list(measured.values()))
+    at_64 = tmp_path / "c64.json"
+    assert main(["--extract", "tiny", "chain", "1", "--results", str(out), "--context", "64",
+                 "--out", str(at_64)]) == 0
+    chain_64 = json.loads(at_64.read_text())
+    assert {r["context_tokens"] for r in chain_64["rows"]} == {64}
+    assert measured_step_costs(str(at_64), 4)[0] == chain_64["rows"][0]["ms_per_step_median"]
+    with pytest.raises(SystemExit, match="no tree curve of tiny at batch 3"):
+        main(["--extract", "tiny", "tree", "3", "--results", str(out)])
+
+
+def test_tiny_run_writes_a_summary(tiny_run):
+    _, out = tiny_run
+    summary = out.with_suffix(".md").read_text()
+    assert "## kernels: ok=True" in summary and "## paged_kernel: ok=True" in summary
+    assert "### tiny, batch 2: ms per verify step (median)" in summary
+    assert "| n | chain 32 | tree 32 | chain 64 | tree 64 |" in summary
+
+
+def test_full_run_needs_a_gpu(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+    assert not list(tmp_path.iterdir())
