@@ -7,6 +7,7 @@ trie, weighted by similarity, and the best-supported chain is drafted.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,10 +20,11 @@ from vllm_retrieval_spec.config import DresdConfig
 from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
 from vllm_retrieval_spec.datastore.dense import DenseIndex
 from vllm_retrieval_spec.drafting.adaptive import drafting_off
+from vllm_retrieval_spec.drafting.streams import AheadProjection, Handed
 from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
 from vllm_retrieval_spec.drafting.trie import TrieDrafter
 from vllm_retrieval_spec.sources.dense import (
-    DenseSource, matching_continuations, project_last_states)
+    DenseSource, matching_continuations, project_last_states, project_on_device)
 
 #: (neighbours [m, top_n], similarities [m, top_n], ns spent searching)
 Searched = tuple[np.ndarray, np.ndarray, int]
@@ -40,7 +42,8 @@ class DenseSearches:
     forward computed that could be a request's last one (the root's and each draft token's:
     which one depends on how many draft tokens are accepted) is projected and searched in the
     pool while vLLM computes the logits, samples and does its bookkeeping; once the sampled
-    tokens are known each request keeps the search of its own state.
+    tokens are known each request keeps the search of its own state. On a GPU the pool thread
+    waits for the forward that writes the states on a stream of its own (``AheadProjection``).
     """
 
     def __init__(self, index: DenseIndex, top_n: int, threads: int, precompute: bool,
@@ -54,6 +57,7 @@ class DenseSearches:
         self.disable_by_batch_size = disable_by_batch_size
         self.report = report
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dresd-search")
+        self.projector = AheadProjection(functools.partial(project_on_device, index.projection))
         #: This step's searches (futures until first consumed) and each batch row's
         #: (chunk, row within chunk).
         self.chunks: list[Future | Searched] = []
@@ -79,12 +83,13 @@ class DenseSearches:
         self.searched_rows = None
         if not self.precompute:
             return
-        self.ahead = self.pool.submit(self._project_and_search, candidates)
+        self.ahead = self.pool.submit(self._project_and_search,
+                                      self.projector.hand_over(candidates))
         self.ahead_rows = int(candidates.shape[0])
 
-    def _project_and_search(self, candidates: Any) -> Searched:
-        return self.search(project_last_states(self.index.projection, candidates,
-                                                list(range(candidates.shape[0])))[0])
+    def _project_and_search(self, handed: Handed) -> Searched:
+        with self.projector.queries(handed) as queries:
+            return self.search(queries)
 
     def record(self, states: Any, rows: list[int]) -> None:
         """``states[rows[i]]`` is the final hidden state that produced batch row i's last
