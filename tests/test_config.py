@@ -80,13 +80,17 @@ def test_hybrid_needs_a_datastore_only_without_a_served_store():
     with pytest.raises(ConfigError,
                        match=r"'served_store'\]='per_user' .*\['off', 'shared', 'per_request'\]"):
         parse_speculative_config({**hybrid, "served_store": "per_user"}, VLLM_CPU_DEFAULTS)
-    with pytest.raises(ConfigError, match=r"'served_datastore'\] needs served_store 'shared': "
-                                          r"with 'off' nothing is stored"):
+    with pytest.raises(ConfigError, match=r"'served_datastore'\] needs served_store 'shared' "
+                                          r"or 'per_request': with 'off' nothing is stored"):
         parse_speculative_config({**hybrid, "datastore": "d", "served_store": "off",
                                   "served_datastore": "s"}, VLLM_CPU_DEFAULTS)
-    with pytest.raises(ConfigError, match=r"with 'per_request' the stores by key are not saved"):
-        parse_speculative_config({**hybrid, "served_store": "per_request",
-                                  "served_datastore": "s"}, VLLM_CPU_DEFAULTS)
+    assert parse_speculative_config({**hybrid, "served_store": "per_request",
+                                     "served_datastore": "s"},
+                                    VLLM_CPU_DEFAULTS).served.served_datastore == "s"
+    with pytest.raises(ConfigError, match=r"'served_flush_ms'\]=0.0 is out of range"):
+        parse_speculative_config({**hybrid, "served_flush_ms": 0}, VLLM_CPU_DEFAULTS)
+    with pytest.raises(ConfigError, match=r"'served_max_age_hours'\]=-1.0 is out of range"):
+        parse_speculative_config({**hybrid, "served_max_age_hours": -1}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'served_max_keys'\]=0 is out of range"):
         parse_speculative_config({**hybrid, "served_store": "per_request", "served_max_keys": 0},
                                  VLLM_CPU_DEFAULTS)

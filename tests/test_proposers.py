@@ -176,7 +176,8 @@ def test_injected_faults_cost_only_drafts(datastore):
 def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
     """With no datastore at all: request "a" generates 10..19; once it has left the batch a
     new request that reaches "10 11" is drafted its continuation. With served_datastore the
-    store is saved when the proposer closes, and a new proposer starts from it."""
+    store is journaled (closing stores and journals the requests still in a batch), and a new
+    proposer starts from the journal."""
     from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
     tokenizer = make_tokenizer()
@@ -200,11 +201,11 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
         assert proposer.propose([[11]], lengths, tokens) == [[12, 13, 14, 15]]
     finally:
         proposer.close()
-    # "b" never left a batch; closing stored it before saving.
-    from vllm_retrieval_spec.datastore.format import load_datastore
+    # "b" never left a batch; closing stored and journaled it.
+    from vllm_retrieval_spec.datastore.journal import JournalReader
 
-    saved = load_datastore(tmp_path / "served")
-    assert saved.manifest.num_documents == 2 and saved.manifest.num_tokens == 12 + 4 + 2
+    journaled = JournalReader(tmp_path / "served", "", {}).poll()
+    assert sorted(len(r.tokens) for r in journaled) == [4, 12]
     restarted = RetrievalProposer(config)
     try:
         tokens, lengths = batch([5, 13, 14])

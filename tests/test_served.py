@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import threading
 
 import numpy as np
 import pytest
 
 from helpers import brute_force_match, make_tokenizer
-from vllm_retrieval_spec.datastore.format import (
-    MANIFEST_FILE, DatastoreError, load_datastore, tokenizer_fingerprint)
+from vllm_retrieval_spec.datastore.format import DatastoreError, load_datastore, tokenizer_fingerprint
+from vllm_retrieval_spec.datastore.journal import NO_KEY, TokenizerFacts
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore, SuffixIndex
 from vllm_retrieval_spec.datastore.served_requests import ServedRequests
+from vllm_retrieval_spec.datastore.served_saver import Entry, read_snapshot, write_snapshot
 
 LOOKUP = {"min_len": 2, "max_len": 16, "max_occurrences": 64, "continuation_len": 4}
 
@@ -138,46 +138,42 @@ def test_prompts_are_stored_when_asked():
     assert [d.tolist() for d in store.documents()] == [[1, 2, 3, 10]]
 
 
-def test_saved_store_is_a_datastore_that_loads_back(tmp_path):
+def test_a_snapshot_is_a_datastore_that_loads_back(tmp_path):
     tokenizer = make_tokenizer()
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    store = ServedStore(1000, background=False)
-    store.add("a", [5, 6, 7, 8])
-    store.add("b", [6, 7, 9])
-    path = tmp_path / "served"
-    store.save(path, tokenizer_name="test", tokenizer_fingerprint=fingerprint, vocab_size=100)
-    datastore = load_datastore(path, expected_fingerprint=fingerprint)
+    facts = TokenizerFacts("test", tokenizer_fingerprint(tokenizer), 100)
+    key = bytes(range(16))
+    entries = [Entry(key, 7, 1_000, np.array([5, 6, 7, 8], np.int32)),
+               Entry(key, 2**64 - 1, 2_000, np.array([6, 7, 9], np.int32))]
+    path = tmp_path / "snapshot-1-r"
+    write_snapshot(path, entries, {"journal-r.0": 40}, facts)
+    datastore = load_datastore(path, expected_fingerprint=facts.fingerprint)
     assert datastore.manifest.num_documents == 2 and datastore.manifest.num_tokens == 9
-    restored = ServedStore(1000, background=False)
-    documents = restored.load(path, expected_fingerprint=fingerprint)
-    assert [d.tolist() for d in documents] == [[5, 6, 7, 8], [6, 7, 9]]
-    # The arrays the store holds (a dense half's keys point into them).
-    assert all(a is b for a, b in zip(documents, restored.documents()))
-    assert continuations(restored, [6, 7]) == (2, [[8], [9]])
+    assert datastore.manifest.sources == ["served requests"]
+    snapshot = read_snapshot(path, facts.fingerprint)
+    assert snapshot.segments == {"journal-r.0": 40}
+    assert [(e.key, e.doc_id, e.time_ms, e.tokens.tolist()) for e in snapshot.entries] == [
+        (key, 7, 1_000, [5, 6, 7, 8]), (key, 2**64 - 1, 2_000, [6, 7, 9])]
+    # Only the serving user reads it.
+    assert {p.stat().st_mode & 0o777 for p in path.iterdir()} == {0o600}
+    assert path.stat().st_mode & 0o777 == 0o700
     with pytest.raises(DatastoreError, match="tokenizer"):
-        ServedStore(1000, background=False).load(path, expected_fingerprint="0" * 64)
+        read_snapshot(path, "0" * 64)
+    # Nothing left: a snapshot without a datastore.
+    write_snapshot(tmp_path / "snapshot-2-r", [], {}, facts)
+    assert read_snapshot(tmp_path / "snapshot-2-r", facts.fingerprint).entries == []
 
 
-def test_a_failed_save_leaves_the_previous_one(tmp_path, monkeypatch):
+def test_a_failed_snapshot_leaves_nothing(tmp_path, monkeypatch):
     from vllm_retrieval_spec.datastore import build
-
-    store = ServedStore(1000, background=False)
-    store.add("a", [5, 6, 7, 8])
-    path = tmp_path / "served"
-    facts = {"tokenizer_name": "t", "tokenizer_fingerprint": "f" * 64, "vocab_size": 100}
-    store.save(path, **facts)
-    before = json.loads((path / MANIFEST_FILE).read_text())
-    store.add("b", [1, 2, 3])
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(build, "build_suffix_array", crash)
     with pytest.raises(OSError, match="disk full"):
-        store.save(path, **facts)
-    assert json.loads((path / MANIFEST_FILE).read_text()) == before
-    assert load_datastore(path).manifest.num_tokens == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]
+        write_snapshot(tmp_path / "snapshot-1-r", [Entry(NO_KEY, 1, 1, np.arange(3))], {},
+                       TokenizerFacts("t", "f" * 64, 100))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_empty_index_finds_nothing():

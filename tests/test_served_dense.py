@@ -12,6 +12,8 @@ from vllm_retrieval_spec.datastore.dense import Projection
 from vllm_retrieval_spec.datastore.served import ServedStore
 from vllm_retrieval_spec.datastore.served_requests import ServedRequests
 from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepted_state_rows
+from vllm_retrieval_spec.datastore.journal import NO_KEY, TokenizerFacts
+from vllm_retrieval_spec.datastore.served_saver import Entry, read_snapshot, write_snapshot
 
 DIMS = 8
 
@@ -215,7 +217,20 @@ def model_facts():
     return ModelFacts(name="m", fingerprint="a" * 64, hidden_size=DIMS, layer=2, dtype="float32")
 
 
-FACTS = {"tokenizer_name": "t", "tokenizer_fingerprint": "f" * 64, "vocab_size": 1000}
+TOKENIZER = TokenizerFacts("t", "f" * 64, 1000)
+
+
+def save(store: ServedStore, path, dense: ServedDenseStore) -> None:
+    """``store`` and ``dense`` as a snapshot (``datastore.served_saver``)."""
+    write_snapshot(path, [Entry(NO_KEY, i, time_ms, document)
+                          for i, (_, time_ms, document) in enumerate(store.items())], {},
+                   TOKENIZER, dense, model_facts())
+
+
+def load(path, store: ServedStore) -> list[np.ndarray]:
+    """A snapshot's requests, added to ``store``; the arrays it stores, in the saved order."""
+    return [store.add(e.doc_id, e.tokens, e.time_ms)
+            for e in read_snapshot(path, TOKENIZER.fingerprint).entries]
 
 
 def served_pair(rng):
@@ -237,7 +252,7 @@ def test_saved_keys_load_back_into_the_next_engines_store(tmp_path):
     rng = np.random.default_rng(7)
     store, dense, states = served_pair(rng)
     path = tmp_path / "served"
-    store.save(path, **FACTS, dense=dense, model=model_facts())
+    save(store, path, dense)
     # A regular datastore with a dense index of this model, checked as any at start-up.
     _, manifest = check_dense_index(path, expected_model_fingerprint="a" * 64,
                                     hidden_size=DIMS, dtype="float32")
@@ -249,7 +264,7 @@ def test_saved_keys_load_back_into_the_next_engines_store(tmp_path):
 
     restored = ServedStore(1000, background=False)
     restored_dense = ServedDenseStore(100, DIMS, background=False)
-    documents = restored.load(path)
+    documents = load(path, restored)
     assert restored_dense.load_keys(documents, np.asarray(index.keys), index.positions,
                                     index.projection) == 15
     assert restored_dense.fitted and restored_dense.num_keys == 15
@@ -268,13 +283,13 @@ def test_keys_of_evicted_requests_are_not_saved_and_other_projections_not_loaded
     keys, positions = dense.snapshot(store.documents())
     assert len(keys) == 10 and positions.min() == 1 and positions.max() == 9 + 5
     path = tmp_path / "served"
-    store.save(path, **FACTS, dense=dense, model=model_facts())
+    save(store, path, dense)
     index = DenseIndex.from_path(path, search="exact")
     assert index.manifest.num_keys == 10
     other = Projection(mean=np.zeros(DIMS, np.float32), inv_std=np.ones(DIMS, np.float32),
                        components=-np.eye(DIMS, dtype=np.float32), explained_variance=1.0)
     fresh = ServedDenseStore(100, DIMS, projection=other, background=False)
-    assert fresh.load_keys(ServedStore(1000, background=False).load(path),
+    assert fresh.load_keys(load(path, ServedStore(1000, background=False)),
                            np.asarray(index.keys), index.positions, index.projection) == 0
     assert fresh.num_keys == 0
 
@@ -286,7 +301,7 @@ def test_a_crash_while_writing_keys_leaves_the_previous_save(tmp_path, monkeypat
     rng = np.random.default_rng(9)
     store, dense, _ = served_pair(rng)
     path = tmp_path / "served"
-    store.save(path, **FACTS, dense=dense, model=model_facts())
+    save(store, path, dense)
     before = sorted(p.relative_to(path).as_posix() for p in path.rglob("*"))
     store.add("d", [1, 2, 3])
 
@@ -295,7 +310,7 @@ def test_a_crash_while_writing_keys_leaves_the_previous_save(tmp_path, monkeypat
 
     monkeypatch.setattr(dense_module, "write_dense_keys", crash)
     with pytest.raises(OSError, match="disk full"):
-        store.save(path, **FACTS, dense=dense, model=model_facts())
+        save(store, path, dense)
     # Tokens and keys of the previous save, together: never new tokens with old keys.
     assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*")) == before
     assert load_datastore(path).manifest.num_documents == 3

@@ -264,11 +264,10 @@ class HybridConfig(MethodConfig):
         if self.served_dense.served_dense and served != "shared":
             raise ConfigError(
                 f"speculative_config['served_dense'] needs served_store 'shared', got {served!r}")
-        if self.served.served_datastore and served != "shared":
+        if self.served.served_datastore and served == "off":
             raise ConfigError(
-                "speculative_config['served_datastore'] needs served_store 'shared': with "
-                f"{served!r} " + ("nothing is stored to save" if served == "off"
-                                  else "the stores by key are not saved"))
+                "speculative_config['served_datastore'] needs served_store 'shared' or "
+                "'per_request': with 'off' nothing is stored to save")
         if self.dense.dense == "on" and not self.store.datastore:
             raise ConfigError("speculative_config['dense']='on' needs a 'datastore' with a "
                               "dense index")

@@ -225,16 +225,26 @@ class ServedOptions:
     #: Vote of the served store's occurrences per matched token, shared among them (as the
     #: static suffix array's, whose vote is 1).
     served_weight: float = 2.0
-    #: Directory the served store is saved to (a datastore, atomically, every
-    #: ``served_save_minutes`` and at shutdown) and loaded from at start-up; "" = memory only.
+    #: Directory the served store lives in (``datastore.served_saver``), shared by every
+    #: replica given it; "" = memory only. Every finished request is appended to this
+    #: replica's journal there, and loaded by every replica at start-up.
     served_datastore: str = ""
+    #: The journal is written and fsynced this often (ms), and other replicas' journals read
+    #: as often: a crash loses at most this long's requests.
+    served_flush_ms: float = 1000.0
+    #: A snapshot compacts the journals this often (minutes).
     served_save_minutes: float = 10.0
+    #: With ``served_datastore``: requests older than this (hours) are dropped from memory and
+    #: leave the next snapshot; 0 = no age limit.
+    served_max_age_hours: float = 720.0
 
     def check(self, method: str) -> None:
         check_choice(self, "served_store", SERVED_STORE_MODES)
         check_range(method, self, "served_max_tokens", 1, 1 << 31)
         check_range(method, self, "served_weight", 0.0, 1e6)
+        check_range(method, self, "served_flush_ms", 1.0, 60_000.0)
         check_range(method, self, "served_save_minutes", 0.01, 1e6)
+        check_range(method, self, "served_max_age_hours", 0.0, 1e6)
         check_range(method, self, "served_max_keys", 1, 1 << 16)
 
 

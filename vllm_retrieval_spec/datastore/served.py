@@ -21,19 +21,17 @@ next index and divsufsort's working set). Measured at 1 M tokens on our CPU
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from vllm_retrieval_spec.datastore.format import SEPARATOR, load_datastore
-from vllm_retrieval_spec.datastore.served_dense import ModelFacts, ServedDenseStore
+from vllm_retrieval_spec.datastore.format import SEPARATOR
+from vllm_retrieval_spec.datastore.journal import now_ms
 from vllm_retrieval_spec.datastore.suffix_array import (
     build_suffix_array,
     suffix_followers,
@@ -75,7 +73,9 @@ class ServedStore:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self.max_tokens = max_tokens
-        self._documents: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._documents: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+        #: Key -> when its request finished (ms since the epoch), for retention.
+        self._times: dict[Hashable, int] = {}
         self._num_tokens = 0
         self._lock = threading.Lock()
         #: Bumped by every add; a snapshot built at version v holds everything added before it.
@@ -105,10 +105,12 @@ class ServedStore:
         """Changes with every add (savers compare it)."""
         return self._version
 
-    def add(self, key: str, tokens: np.ndarray | Sequence[int]) -> np.ndarray | None:
+    def add(self, key: Hashable, tokens: np.ndarray | Sequence[int],
+            time_ms: int | None = None) -> np.ndarray | None:
         """Store a finished request's tokens under ``key``, replacing an earlier entry with that
-        key (a request vLLM preempted and resumed); evict the oldest requests while the store
-        holds more than ``max_tokens``. A request longer than the whole store keeps its end.
+        key (a request vLLM preempted and resumed, or one read twice from disk); evict the
+        oldest requests while the store holds more than ``max_tokens``. A request longer than
+        the whole store keeps its end. ``time_ms``: when it finished (default: now).
         Returns the stored array (the dense store's keys point into it), None if empty."""
         document = np.array(np.asarray(tokens)[-self.max_tokens:], dtype=np.int32)
         if not len(document):
@@ -118,10 +120,10 @@ class ServedStore:
             if old is not None:
                 self._num_tokens -= len(old)
             self._documents[key] = document
+            self._times[key] = now_ms() if time_ms is None else time_ms
             self._num_tokens += len(document)
             while self._num_tokens > self.max_tokens:
-                _, evicted = self._documents.popitem(last=False)
-                self._num_tokens -= len(evicted)
+                self._pop_oldest()
             self._changed()
         if self._thread is None:
             self.refresh()
@@ -132,12 +134,32 @@ class ServedStore:
         with self._lock:
             if not self._documents:
                 return 0
-            _, evicted = self._documents.popitem(last=False)
-            self._num_tokens -= len(evicted)
+            evicted = self._pop_oldest()
             self._changed()
         if self._thread is None:
             self.refresh()
         return len(evicted)
+
+    def remove_where(self, drop: Callable[[int], bool]) -> int:
+        """Drop the requests whose finishing time (ms) ``drop`` is true of (retention, purges);
+        returns their number."""
+        with self._lock:
+            gone = [key for key, time_ms in self._times.items() if drop(time_ms)]
+            for key in gone:
+                self._num_tokens -= len(self._documents.pop(key))
+                del self._times[key]
+            if gone:
+                self._changed()
+        if gone and self._thread is None:
+            self.refresh()
+        return len(gone)
+
+    def _pop_oldest(self) -> np.ndarray:
+        # Called with the lock held.
+        key, evicted = self._documents.popitem(last=False)
+        del self._times[key]
+        self._num_tokens -= len(evicted)
+        return evicted
 
     def _changed(self) -> None:
         # Called with the lock held.
@@ -149,6 +171,12 @@ class ServedStore:
         """The stored requests' tokens, oldest first."""
         with self._lock:
             return list(self._documents.values())
+
+    def items(self) -> list[tuple[Hashable, int, np.ndarray]]:
+        """(key, finishing time in ms, tokens) of every stored request, oldest first."""
+        with self._lock:
+            return [(key, self._times[key], document)
+                    for key, document in self._documents.items()]
 
     def refresh(self) -> None:
         """Index everything added so far (the background thread calls this after adds)."""
@@ -217,46 +245,6 @@ class ServedStore:
             # tokens), and the engine needs its cores more than the newest requests.
             self._stop.wait(REBUILD_PAUSE * (time.monotonic() - start))
 
-    # -------------------------------------------------------------------------- persistence
-
-    def save(self, path: str | Path, *, tokenizer_name: str, tokenizer_fingerprint: str,
-             vocab_size: int, dense: ServedDenseStore | None = None,
-             model: ModelFacts | None = None) -> None:
-        """Write the store as a datastore directory (tokens, suffix array, manifest and, with
-        ``dense``, its keys as a dense index of ``model``), atomically: ``path`` is either the
-        previous save or this one, never a mix."""
-        from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
-        from vllm_retrieval_spec.datastore.served_saver import write_served_dense_keys
-
-        documents = self.documents()
-        if not documents:
-            return
-        then = None
-        if dense is not None and dense.fitted:
-            then = functools.partial(write_served_dense_keys, dense.snapshot(documents),
-                                     dense.projection, model)
-        build_datastore_from_token_ids(
-            documents, path, tokenizer_name=tokenizer_name,
-            tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size,
-            sources=[SERVED_SOURCE], overwrite=True, progress=False, then=then)
-
-    def load(self, path: str | Path, *,
-             expected_fingerprint: str | None = None) -> list[np.ndarray]:
-        """Add the documents of a datastore directory written by ``save`` (oldest first, as
-        saved); returns the stored arrays, in the saved order (one per saved document)."""
-        datastore = load_datastore(path, expected_fingerprint=expected_fingerprint)
-        tokens = np.asarray(datastore.tokens)
-        ends = np.flatnonzero(tokens == SEPARATOR)
-        start = 0
-        with self._lock:
-            first = len(self._documents)
-        documents = []
-        for i, end in enumerate(ends):
-            # save() writes no empty document: every one between separators has tokens.
-            documents.append(self.add(f"saved-{first + i}", tokens[start:end]))
-            start = end + 1
-        return documents
-
 
 #: ``SamplingParams.extra_args`` key naming a request's served store (``served_store:
 #: "per_request"``); the OpenAI server fills extra_args from a request's ``vllm_xargs``.
@@ -277,7 +265,8 @@ class KeyedServedStores:
     Bounded together: at most ``max_tokens`` tokens in all stores (the least recently used key's
     oldest requests go first) and at most ``max_stores`` keys (the least recently used key's
     store goes whole). Each store rebuilds its index in its own background thread, idle between
-    rebuilds.
+    rebuilds. Thread-safe: with a ``served_datastore`` other replicas' requests arrive from the
+    thread that reads their journals.
     """
 
     def __init__(self, max_tokens: int, max_stores: int, *, background: bool = True) -> None:
@@ -287,44 +276,73 @@ class KeyedServedStores:
         self.max_stores = max_stores
         self.background = background
         #: Key -> its store, least recently used first.
-        self._stores: OrderedDict[str, ServedStore] = OrderedDict()
+        self._stores: OrderedDict[Hashable, ServedStore] = OrderedDict()
+        self._lock = threading.RLock()
 
     @property
     def num_tokens(self) -> int:
-        return sum(store.num_tokens for store in self._stores.values())
+        with self._lock:
+            return sum(store.num_tokens for store in self._stores.values())
 
     @property
     def num_documents(self) -> int:
-        return sum(store.num_documents for store in self._stores.values())
+        with self._lock:
+            return sum(store.num_documents for store in self._stores.values())
 
     @property
     def num_stores(self) -> int:
         return len(self._stores)
 
-    def get(self, key: str | None) -> ServedStore | None:
+    def get(self, key: Hashable | None) -> ServedStore | None:
         """The store of ``key`` (None: no key, or nothing stored under it yet)."""
         if key is None:
             return None
-        store = self._stores.get(key)
-        if store is not None:
-            self._stores.move_to_end(key)
-        return store
+        with self._lock:
+            store = self._stores.get(key)
+            if store is not None:
+                self._stores.move_to_end(key)
+            return store
 
-    def add(self, key: str, request_id: str, tokens: np.ndarray | Sequence[int]) -> None:
-        """Store a finished request's tokens under ``key``, then evict to the bounds."""
-        store = self._stores.get(key)
-        if store is None:
-            store = self._stores[key] = ServedStore(self.max_tokens, background=self.background)
-            if len(self._stores) > self.max_stores:
-                _, dropped = self._stores.popitem(last=False)
-                dropped.close()
-        self._stores.move_to_end(key)
-        store.add(request_id, tokens)
-        excess = self.num_tokens - self.max_tokens
-        for other in list(self._stores.values()):
-            while excess > 0 and other.num_tokens:
-                excess -= other.evict_oldest()
+    def add(self, key: Hashable, request_id: Hashable, tokens: np.ndarray | Sequence[int],
+            time_ms: int | None = None) -> np.ndarray | None:
+        """Store a finished request's tokens under ``key``, then evict to the bounds; returns
+        the stored array (``ServedStore.add``)."""
+        with self._lock:
+            store = self._stores.get(key)
+            if store is None:
+                store = self._stores[key] = ServedStore(self.max_tokens,
+                                                        background=self.background)
+                if len(self._stores) > self.max_stores:
+                    _, dropped = self._stores.popitem(last=False)
+                    dropped.close()
+            self._stores.move_to_end(key)
+            document = store.add(request_id, tokens, time_ms)
+            excess = self.num_tokens - self.max_tokens
+            for other in list(self._stores.values()):
+                while excess > 0 and other.num_tokens:
+                    excess -= other.evict_oldest()
+            return document
+
+    def items(self) -> list[tuple[Hashable, ServedStore]]:
+        """(key, store) of every key, least recently used first."""
+        with self._lock:
+            return list(self._stores.items())
+
+    def remove_where(self, drop: Callable[[int, Hashable], bool]) -> int:
+        """Drop the requests whose (finishing time in ms, key) ``drop`` is true of; a store
+        left empty goes. Returns the number of requests dropped."""
+        removed = 0
+        with self._lock:
+            for key, store in list(self._stores.items()):
+                removed += store.remove_where(lambda time_ms: drop(time_ms, key))
+                if not store.num_documents:
+                    del self._stores[key]
+                    store.close()
+        return removed
+
+    def wait_indexed(self, timeout: float = 60.0) -> bool:
+        return all(store.wait_indexed(timeout) for _, store in self.items())
 
     def close(self) -> None:
-        for store in self._stores.values():
+        for _, store in self.items():
             store.close()

@@ -3,7 +3,7 @@ sees them, handed to the store when the request leaves the batch (``datastore.se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -21,9 +21,14 @@ class ServedRequests:
     """
 
     def __init__(self, store: ServedStore | KeyedServedStores, include_prompts: bool,
-                 dense: ServedDenseStore | None = None) -> None:
+                 dense: ServedDenseStore | None = None,
+                 persist: Callable[[Hashable | None, str, np.ndarray], None] | None = None
+                 ) -> None:
         self.store = store
         self.include_prompts = include_prompts
+        #: Called with (key, request id, stored tokens) for every request stored: the journal
+        #: (``datastore.served_saver``).
+        self.persist = persist
         #: The dense half, fed with each finished request's final hidden states.
         self.dense = dense
         #: Request id -> (prompt length, buffer, tokens in the buffer): a copy, since the
@@ -31,13 +36,13 @@ class ServedRequests:
         #: tokens only (a full copy per step would cost O(context) on every decoding step).
         self.running: dict[str, tuple[int, np.ndarray, int]] = {}
         #: Request id -> its store's key (``KeyedServedStores`` only).
-        self.keys: dict[str, str] = {}
+        self.keys: dict[str, Hashable] = {}
         #: Request id -> its steps' (final hidden states [m, H], their positions), for ``dense``.
         self.states: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
                 num_tokens: np.ndarray, token_ids: np.ndarray,
-                keys: Sequence[str | None] | None = None,
+                keys: Sequence[Hashable | None] | None = None,
                 states: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None) -> None:
         """Record this step's tokens of every row that sampled (rows are ``req_ids``' order;
         ``token_ids[i]`` holds row i's tokens, at least its ``num_tokens[i]``).
@@ -87,25 +92,30 @@ class ServedRequests:
             start = 0 if self.include_prompts else prompt_len
             tokens = buffer[start:length]
             steps = self.states.pop(req_id, None)
+            key = self.keys.pop(req_id, None)
             if isinstance(self.store, KeyedServedStores):
-                self.store.add(self.keys.pop(req_id), req_id, tokens)
+                document = self.store.add(key, req_id, tokens)
             elif steps:
-                store_served(self.store, self.dense, req_id, tokens, start,
-                             np.concatenate([s for s, _ in steps]),
-                             np.concatenate([p for _, p in steps]))
+                document = store_served(self.store, self.dense, req_id, tokens, start,
+                                        np.concatenate([s for s, _ in steps]),
+                                        np.concatenate([p for _, p in steps]))
             else:
-                self.store.add(req_id, tokens)
+                document = self.store.add(req_id, tokens)
+            if self.persist is not None and document is not None:
+                self.persist(key, req_id, document)
 
 
 def store_served(store: ServedStore, dense: ServedDenseStore | None, req_id: str,
                  tokens: np.ndarray | Sequence[int], start: int, states: np.ndarray,
-                 positions: np.ndarray) -> None:
+                 positions: np.ndarray) -> np.ndarray | None:
     """Store a finished request's ``tokens`` (its context from position ``start`` on) and, in
     ``dense``, its final hidden states ``states`` at context ``positions``, each pointing at
-    its position in the stored document (which may keep only the end of ``tokens``)."""
+    its position in the stored document (which may keep only the end of ``tokens``). Returns
+    the stored document."""
     document = store.add(req_id, tokens)
     if dense is None or document is None:
-        return
+        return document
     positions = np.asarray(positions) - (start + len(tokens) - len(document))
     kept = positions >= 0
     dense.add(document, states[kept], positions[kept])
+    return document

@@ -1,25 +1,79 @@
-"""The served store on disk: saved as a datastore directory (atomically) every few minutes
-and at shutdown, and loaded from it at start-up (``datastore.served``)."""
+"""The served store on disk (``served_datastore``): every finished request goes to this
+replica's journal, snapshots compact the journals, and every replica given the same directory
+reads the others' journals (``datastore.journal`` for the files).
+
+At start-up a replica loads the newest snapshot that loads, then every journal segment from
+where that snapshot stopped including it. While it serves, it reads the other replicas' new
+records every flush interval, and every ``compact_s`` seals its segment and, if no snapshot
+is younger than half that and nobody holds the lock, writes the next snapshot: what it holds,
+and how far into each segment that is. Segments a snapshot includes whole are then deleted
+once their writer is done with them.
+
+A snapshot is written by one replica while others append, so it cannot know exactly what
+their unread records hold: it records offsets, not contents, and a request read twice (the
+writer's own records flushed after it listed them) is stored once, by its document id.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import shutil
 import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.atomic import atomic_path
 from vllm_retrieval_spec.datastore.dense import DENSE_DIR
-from vllm_retrieval_spec.datastore.format import MANIFEST_FILE
-from vllm_retrieval_spec.datastore.served import ServedStore
-from vllm_retrieval_spec.datastore.served_dense import ModelFacts, ServedDenseStore
+from vllm_retrieval_spec.datastore.format import (
+    SEPARATOR, DatastoreError, file_sha256, load_datastore)
+from vllm_retrieval_spec.datastore.journal import (
+    DIR_MODE, FILE_MODE, NO_KEY, REPLICA, SETTLE_S, CompactionLock, JournalReader,
+    JournalWriter, PurgeRules, Record, TokenizerFacts, doc_id, fsync_directory, key_digest, list_segments,
+    new_replica_id, now_ms, purge_files, read_purges, remove_stale_temporaries, stale_segment,
+    read_store_facts, store_facts, this_host, write_purge)
+from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
+from vllm_retrieval_spec.datastore.served_dense import (
+    ModelFacts, ServedDenseStore, document_starts)
 
 logger = logging.getLogger(__name__)
 
+#: What a snapshot's datastore lists as its source.
+SERVED_SOURCE = "served requests"
+_SNAPSHOT = re.compile(rf"snapshot-(\d+)-{REPLICA}")
+#: uint64 [n, 4] per stored request, in the token stream's order: finishing time (ms),
+#: document id, key digest (two words).
+DOCUMENTS_FILE = "documents.npy"
+#: The segments' offsets a snapshot includes, and documents.npy's checksum.
+SERVED_FILE = "served.json"
+#: A replica killed while writing a snapshot holds the lock this long.
+LEASE_S = 600.0
+#: Requests past ``max_age_s`` are looked for this often.
+RETENTION_SWEEP_S = 60.0
+
+
+def tokenizer_facts(model_config: Any) -> TokenizerFacts:
+    """The served model's tokenizer, as a snapshot's manifest records it."""
+    from transformers import AutoTokenizer
+
+    from vllm_retrieval_spec.datastore.format import tokenizer_fingerprint, tokenizer_vocab_size
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_config.tokenizer, revision=model_config.tokenizer_revision,
+        trust_remote_code=model_config.trust_remote_code)
+    return TokenizerFacts(Path(str(model_config.tokenizer)).name,
+                          tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer))
+
 
 def write_served_dense_keys(snapshot: tuple[np.ndarray, np.ndarray], projection: Any,
-                      model: ModelFacts, directory: Path, manifest: Any) -> None:
+                            model: ModelFacts, directory: Path, manifest: Any) -> None:
     """The served dense keys as ``directory``'s dense index (``build``'s ``then`` hook)."""
     from vllm_retrieval_spec.datastore.dense import write_dense_keys
     from vllm_retrieval_spec.datastore.format import TOKENS_FILE
@@ -38,94 +92,391 @@ def write_served_dense_keys(snapshot: tuple[np.ndarray, np.ndarray], projection:
                      progress=False)
 
 
-class PeriodicSaver:
-    """Saves a served store to a datastore directory every ``interval_s`` seconds while it
-    changes, and once more when the process exits; loads that directory first if it exists.
+@dataclass(frozen=True)
+class Entry:
+    """A stored request as a snapshot holds it (``tokens`` may be a memory map)."""
 
-    Each save is a complete datastore written under a temporary name and renamed into place
-    (``atomic_path``), so a crash mid-save leaves the previous save, which loads.
+    key: bytes
+    doc_id: int
+    time_ms: int
+    tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    path: Path
+    #: Segment name -> bytes of it this snapshot includes.
+    segments: dict[str, int]
+    entries: list[Entry]
+
+
+def list_snapshots(directory: Path) -> list[Path]:
+    """Snapshot directories, newest first (two written at once: the replica's name decides)."""
+    found = [(int(m[1]), p.name, p) for p in directory.iterdir()
+             if (m := _SNAPSHOT.fullmatch(p.name))]
+    return [path for _, _, path in sorted(found, reverse=True)]
+
+
+def write_snapshot(path: Path, entries: list[Entry], segments: dict[str, int],
+                   tokenizer: TokenizerFacts, dense: ServedDenseStore | None = None,
+                   model: ModelFacts | None = None) -> None:
+    """A snapshot at ``path``, renamed into place whole, every file mode 0600 and fsynced:
+    the requests' tokens as a datastore (with ``dense``'s keys into them as its dense index),
+    their times and keys, and the ``segments`` offsets they include."""
+    from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
+
+    documents = np.array([[e.time_ms, e.doc_id, *np.frombuffer(e.key, "<u8")]
+                          for e in entries], dtype="<u8").reshape(-1, 4)
+
+    def finish(directory: Path, manifest: Any = None) -> None:
+        if dense is not None and dense.fitted and entries:
+            write_served_dense_keys(dense.snapshot([e.tokens for e in entries]),
+                                    dense.projection, model, directory, manifest)
+        np.save(directory / DOCUMENTS_FILE, documents)
+        (directory / SERVED_FILE).write_text(json.dumps({
+            "segments": segments, "documents_sha256": file_sha256(directory / DOCUMENTS_FILE)}))
+        make_private_and_durable(directory)
+
+    if entries:
+        build_datastore_from_token_ids(
+            [e.tokens for e in entries], path, tokenizer_name=tokenizer.name,
+            tokenizer_fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
+            sources=[SERVED_SOURCE], overwrite=True, progress=False, then=finish)
+    else:
+        # Every request evicted or purged: a snapshot without a datastore says so.
+        with atomic_path(path) as temporary:
+            temporary.mkdir()
+            finish(temporary)
+    fsync_directory(path.parent)
+
+
+def make_private_and_durable(directory: Path) -> None:
+    for path in [directory, *directory.rglob("*")]:
+        if path.is_dir():
+            path.chmod(DIR_MODE)
+        else:
+            path.chmod(FILE_MODE)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+
+
+def read_snapshot(path: Path, fingerprint: str) -> Snapshot:
+    """A snapshot, checked whole (checksums included) before anything is used; DatastoreError
+    or OSError when it does not load."""
+    served = json.loads((path / SERVED_FILE).read_text())
+    if file_sha256(path / DOCUMENTS_FILE) != served["documents_sha256"]:
+        raise DatastoreError(f"{path / DOCUMENTS_FILE} is corrupt (checksum)")
+    documents = np.load(path / DOCUMENTS_FILE, mmap_mode="r")
+    entries = []
+    if len(documents):
+        tokens = load_datastore(path, expected_fingerprint=fingerprint).tokens
+        ends = np.flatnonzero(np.asarray(tokens) == SEPARATOR)
+        if len(ends) != len(documents):
+            raise DatastoreError(f"{path} holds {len(ends)} requests and {len(documents)} "
+                                 f"requests' times and keys")
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        entries = [Entry(row[2:].astype("<u8").tobytes(), int(row[1]), int(row[0]),
+                         tokens[start:end])
+                   for row, start, end in zip(documents, starts, ends)]
+    return Snapshot(path, {str(k): int(v) for k, v in served["segments"].items()}, entries)
+
+
+class ServedDirectory:
+    """The served stores (``stores``: the shared store, or the stores by key digest) backed by
+    a ``served_datastore`` directory shared with other replicas.
+
+    ``background=False``: no threads; the caller runs ``sync``, ``compact`` and the writer's
+    ``flush`` (tests).
     """
 
-    def __init__(self, store: ServedStore, path: str | Path, model_config: Any,
-                 interval_s: float, dense: ServedDenseStore | None = None) -> None:
-        self.store = store
-        self.dense = dense
+    def __init__(self, path: str | Path, stores: ServedStore | KeyedServedStores,
+                 tokenizer: TokenizerFacts, *, flush_s: float, compact_s: float,
+                 max_age_s: float = 0.0, dense: ServedDenseStore | None = None,
+                 model: ModelFacts | None = None, background: bool = True,
+                 replica: str | None = None) -> None:
         self.path = Path(path)
-        self.interval_s = interval_s
-        self._saved_version: tuple[int, int] = (-1, -1)
-        # At start-up, not at the first save: the last save happens while vLLM shuts the worker
-        # down, and a worker that takes long to exit is killed.
-        self._tokenizer = self._tokenizer_facts(model_config)
-        self._model = ModelFacts.of(model_config) if dense is not None else None
-        if (self.path / MANIFEST_FILE).is_file():
-            # The front-end checked its tokenizer fingerprint against the model's (and its
-            # dense index against the model, ``config.model.validate_against_model``).
-            documents = store.load(self.path)
-            # Indexed before the first request is drafted (start-up, not a decoding step).
-            store.wait_indexed()
-            logger.info("served store: loaded %d tokens from %s", sum(map(len, documents)),
-                        self.path)
-            if dense is not None and (self.path / DENSE_DIR / MANIFEST_FILE).is_file():
-                self._load_dense(documents)
-        self._saved_version = self._version()
+        self.stores = stores
+        self.keyed = isinstance(stores, KeyedServedStores)
+        self.tokenizer = tokenizer
+        self.flush_s, self.compact_s, self.max_age_s = flush_s, compact_s, max_age_s
+        self.dense, self.model = dense, model
+        self.replica = replica or new_replica_id()
+        self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        removed = remove_stale_temporaries(self.path)
+        if removed:
+            logger.info("served store: removed what cut-off writes left in %s: %s", self.path,
+                        ", ".join(removed))
+        self.salt = store_facts(self.path, tokenizer).salt
+        self._purge_names = [p.name for p in purge_files(self.path)]
+        self.purges = read_purges(purge_files(self.path))
+        #: Bumped by every change to the stores: a replica with nothing new writes no snapshot.
+        self.changes = 0
+        self._compacted_at_change = 0
+        self._swept = time.monotonic()
+        offsets, loaded = self._load_snapshot()
+        self.reader = JournalReader(self.path, self.replica, offsets)
+        replayed = self.apply(self.reader.poll())
+        # Indexed before the first request is drafted (start-up, not a decoding step).
+        stores.wait_indexed()
+        if dense is not None:
+            dense.wait_indexed()
+        logger.info("served store %s: replica %s loaded %d requests from a snapshot and %d "
+                    "from journals", self.path, self.replica, loaded, replayed)
+        self.writer = JournalWriter(self.path, self.replica, flush_s, background=background)
+        self.lock = CompactionLock(self.path, self.replica, LEASE_S)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._save_periodically, name="served-store-save",
-                                        daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._sync_forever, name="served-sync",
+                                            daemon=True)
+            self._thread.start()
 
-    def save_if_changed(self) -> bool:
-        version = self._version()
-        if version == self._saved_version:
-            return False
-        name, fingerprint, vocab_size = self._tokenizer
-        self.store.save(self.path, tokenizer_name=name, tokenizer_fingerprint=fingerprint,
-                        vocab_size=vocab_size, dense=self.dense, model=self._model)
-        self._saved_version = version
-        return True
+    def key_of(self, key: str | None) -> bytes | None:
+        """What a request's ``per_request`` key is stored and journaled under."""
+        return None if key is None else key_digest(key, self.salt)
 
-    def _version(self) -> tuple[int, int]:
-        # The dense keys of a finished request are indexed after its tokens are stored.
-        return self.store.version, 0 if self.dense is None else self.dense.inserted
+    def record(self, key: bytes | None, request_id: str, document: np.ndarray) -> None:
+        """Journal a request just stored (the drafting path: this only queues)."""
+        self.writer.append(Record(now_ms(), doc_id(self.replica, request_id), key or NO_KEY,
+                                  document))
+        self.changes += 1
 
-    def _load_dense(self, documents: list[np.ndarray]) -> None:
+    # ------------------------------------------------------------------------- reading
+
+    def apply(self, records: list[Record]) -> int:
+        """Store records read from disk, but those evicted by age or purged, or of another
+        mode (a keyed request never enters the shared store, nor the reverse)."""
+        added = 0
+        cutoff = self._cutoff_ms()
+        for record in records:
+            if record.time_ms < cutoff or self.purges.drops(record.time_ms, record.key) \
+                    or self.keyed == (record.key == NO_KEY):
+                continue
+            self._add(record.key, record.doc_id, record.tokens, record.time_ms)
+            added += 1
+        self.changes += added
+        return added
+
+    def _add(self, key: bytes, doc: int, tokens: np.ndarray, time_ms: int) -> np.ndarray | None:
+        if self.keyed:
+            return self.stores.add(key, doc, tokens, time_ms)
+        return self.stores.add(doc, tokens, time_ms)
+
+    def sync(self) -> None:
+        """Read the other replicas' new records and new purges; drop what retention and
+        purges say must go."""
+        names = [p.name for p in purge_files(self.path)]
+        purged = names != self._purge_names
+        if purged:
+            self._purge_names = names
+            self.purges = read_purges(self.path / name for name in names)
+        self.apply(self.reader.poll())
+        due = self.max_age_s and time.monotonic() - self._swept >= RETENTION_SWEEP_S
+        if purged or due:
+            self._swept = time.monotonic()
+            self.remove_dropped()
+
+    def remove_dropped(self) -> int:
+        cutoff = self._cutoff_ms()
+        purges = self.purges
+        if self.keyed:
+            removed = self.stores.remove_where(
+                lambda time_ms, key: time_ms < cutoff or purges.drops(time_ms, key))
+        else:
+            removed = self.stores.remove_where(
+                lambda time_ms: time_ms < cutoff or purges.drops(time_ms, NO_KEY))
+        self.changes += removed
+        return removed
+
+    def _cutoff_ms(self) -> int:
+        return now_ms() - int(1000 * self.max_age_s) if self.max_age_s else 0
+
+    def _load_snapshot(self) -> tuple[dict[str, int], int]:
+        """Load the newest snapshot that loads; returns the offsets it includes and how many
+        requests were stored."""
+        for path in list_snapshots(self.path):
+            try:
+                snapshot = read_snapshot(path, self.tokenizer.fingerprint)
+            except (DatastoreError, OSError, ValueError, KeyError) as e:
+                logger.warning("served store: snapshot %s does not load (%s); trying an older "
+                               "one", path, e)
+                continue
+            cutoff = self._cutoff_ms()
+            documents: list[np.ndarray | None] = [None] * len(snapshot.entries)
+            # Oldest first, so that bounds evict the oldest.
+            for i in sorted(range(len(snapshot.entries)),
+                            key=lambda i: snapshot.entries[i].time_ms):
+                e = snapshot.entries[i]
+                if e.time_ms >= cutoff and not self.purges.drops(e.time_ms, e.key) \
+                        and self.keyed != (e.key == NO_KEY):
+                    documents[i] = self._add(e.key, e.doc_id, e.tokens, e.time_ms)
+            if self.dense is not None and (path / DENSE_DIR).is_dir():
+                self._load_dense(path, snapshot.entries, documents)
+            return snapshot.segments, sum(d is not None for d in documents)
+        return {}, 0
+
+    def _load_dense(self, path: Path, entries: list[Entry],
+                    documents: list[np.ndarray | None]) -> None:
+        """The snapshot's dense keys, into the stored documents (``documents[i]``: entry i's,
+        None where it was dropped; a stored one may keep only its end)."""
         from vllm_retrieval_spec.datastore.dense import DenseIndex
 
-        index = DenseIndex.from_path(self.path, search="exact", verify_checksums=False)
-        loaded = self.dense.load_keys(documents, np.asarray(index.keys), index.positions,
+        try:
+            index = DenseIndex.from_path(path, expected_model_fingerprint=self.model.fingerprint,
+                                         hidden_size=self.model.hidden_size, search="exact")
+        except DatastoreError as e:
+            logger.warning("served dense store: the keys in %s are not loaded (%s)", path, e)
+            return
+        positions = np.asarray(index.positions)
+        which = np.searchsorted(document_starts([e.tokens for e in entries]), positions,
+                                side="right") - 1
+        starts = document_starts([e.tokens for e in entries])
+        cut = np.array([len(e.tokens) - (0 if d is None else len(d))
+                        for e, d in zip(entries, documents)], dtype=np.int64)
+        within = positions - starts[which] - cut[which]
+        kept = [d for d in documents if d is not None]
+        new_row = np.cumsum([d is not None for d in documents]) - 1
+        stored = np.array([d is not None for d in documents])
+        ok = stored[which] & (within >= 0)
+        new_positions = document_starts(kept)[new_row[which[ok]]] + within[ok] if kept \
+            else within[ok]
+        loaded = self.dense.load_keys(kept, np.asarray(index.keys)[ok], new_positions,
                                       index.projection)
-        self.dense.wait_indexed()
-        logger.info("served dense store: loaded %d keys from %s", loaded, self.path)
+        logger.info("served dense store: loaded %d keys from %s", loaded, path)
+
+    # ---------------------------------------------------------------------- compaction
+
+    def entries(self) -> list[Entry]:
+        """What this replica stores, as a snapshot keeps it."""
+        def of(key: bytes, items: list[tuple[Hashable, int, np.ndarray]]) -> list[Entry]:
+            return [Entry(key, doc if isinstance(doc, int) else doc_id(self.replica, doc),
+                          time_ms, tokens) for doc, time_ms, tokens in items]
+
+        if self.keyed:
+            return [e for key, store in self.stores.items() for e in of(key, store.items())]
+        return of(NO_KEY, self.stores.items())
+
+    def compact(self, *, force: bool = False) -> Path | None:
+        """Seal this replica's segment; then, unless another replica wrote a snapshot less
+        than half an interval ago or holds the lock (or nothing changed), write a snapshot and
+        delete what it makes obsolete. Returns the snapshot written."""
+        self.writer.rotate()
+        snapshots = list_snapshots(self.path)
+        recent = snapshots and time.time() - snapshots[0].stat().st_mtime < self.compact_s / 2
+        if not force and (recent or self.changes == self._compacted_at_change):
+            return None
+        if not self.lock.acquire():
+            return None
+        try:
+            changes = self.changes
+            on_disk = list_segments(self.path)
+            # Own offsets before the entries: what was flushed is stored already.
+            offsets = {name: offset for name, offset in
+                       {**self.reader.offsets, **self.writer.flushed_sizes()}.items()
+                       if name in on_disk}
+            entries = self.entries()
+            seq = int(_SNAPSHOT.fullmatch(snapshots[0].name)[1]) + 1 if snapshots else 1
+            path = self.path / f"snapshot-{seq:010d}-{self.replica}"
+            write_snapshot(path, entries, offsets, self.tokenizer, self.dense, self.model)
+            self._compacted_at_change = changes
+            self.writer.forget(remove_obsolete(self.path, offsets, self.reader.broken,
+                                               self.replica, SETTLE_S))
+            logger.info("served store: snapshot %s holds %d requests", path.name, len(entries))
+            return path
+        finally:
+            self.lock.release()
+
+    # --------------------------------------------------------------------------- life
+
+    def _sync_forever(self) -> None:
+        next_compaction = time.monotonic() + self.compact_s
+        while not self._stop.wait(self.flush_s):
+            try:
+                self.sync()
+                if time.monotonic() >= next_compaction:
+                    next_compaction = time.monotonic() + self.compact_s
+                    self.compact()
+            except Exception:
+                # Serving goes on; the journal keeps every request until a snapshot does.
+                logger.exception("served store: could not read or compact %s", self.path)
 
     def close(self) -> None:
-        """Stop saving periodically; save what changed since the last save."""
-        if self._stop.is_set():
-            return
+        """Stop reading and compacting; flush the journal one last time and seal it. Nothing
+        else is needed at shutdown: the journal has every request already."""
         self._stop.set()
-        self._thread.join(timeout=60)
-        self._save_logged()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.writer.close()
 
-    def _save_periodically(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._save_logged()
 
-    def _save_logged(self) -> None:
+def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], replica: str,
+                    settle_s: float) -> list[str]:
+    """After a snapshot including ``offsets`` was written: delete the segments it includes
+    whole (or up to where they break) once their writer is done with them (sealed, or its
+    process is gone) and they have been still for ``settle_s`` (a replica reading them a
+    little late still finds them); snapshots but the newest two; merge the purge files into
+    one. Returns the names of the segments deleted."""
+    now = time.time()
+    host = this_host()
+    deleted = []
+    for segment in list_segments(directory).values():
         try:
-            if self.save_if_changed():
-                logger.info("served store: saved %d tokens to %s", self.store.num_tokens,
-                            self.path)
-        except Exception:
-            # Serving goes on; the previous save stays in place.
-            logger.exception("could not save the served store to %s", self.path)
+            stat = segment.path.stat()
+        except FileNotFoundError:
+            continue
+        idle = now - stat.st_mtime
+        included = segment.name in offsets and (
+            offsets[segment.name] >= stat.st_size or segment.name in broken)
+        done = segment.sealed or (segment.replica != replica
+                                  and stale_segment(segment, idle, host))
+        if included and done and idle >= settle_s:
+            segment.path.unlink(missing_ok=True)
+            deleted.append(segment.name)
+    for old in list_snapshots(directory)[2:]:
+        shutil.rmtree(old, ignore_errors=True)
+    purges = purge_files(directory)
+    if len(purges) > 1:
+        # The merged file first: a replica listing meanwhile sees every rule at least once.
+        write_purge(directory, read_purges(purges))
+        for path in purges:
+            path.unlink(missing_ok=True)
+    return deleted
 
-    @staticmethod
-    def _tokenizer_facts(model_config: Any) -> tuple[str, str, int]:
-        """(name, fingerprint, vocab size) of the served model's tokenizer, for the manifest."""
-        from transformers import AutoTokenizer
 
-        from vllm_retrieval_spec.datastore.format import tokenizer_fingerprint, tokenizer_vocab_size
+def purge(directory: str | Path, *, key: str | None = None,
+          older_than_hours: float | None = None) -> tuple[Path | None, int]:
+    """Remove served requests (of ``key``; finished more than ``older_than_hours`` ago; with
+    neither, all) from a fleet's directory, running or not.
 
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_config.tokenizer, revision=model_config.tokenizer_revision,
-            trust_remote_code=model_config.trust_remote_code)
-        return (Path(str(model_config.tokenizer)).name, tokenizer_fingerprint(tokenizer),
-                tokenizer_vocab_size(tokenizer))
+    A purge file first: every replica applies it at its next poll (and every start-up after),
+    so the requests leave memory within a flush interval. Then, unless a replica is writing a
+    snapshot, a snapshot of everything else on disk, and the segments it includes are deleted
+    where their writers are done; a running replica's open segment goes at its next
+    compaction. Returns the snapshot written (None: left to the fleet) and the requests it
+    removed."""
+    directory = Path(directory)
+    facts = read_store_facts(directory)
+    before = now_ms() - (int(3_600_000 * older_than_hours) if older_than_hours else 0)
+    rules = PurgeRules()
+    rules.add(before, None if key is None else key_digest(key, facts.salt))
+    write_purge(directory, rules)
+    rules = read_purges(purge_files(directory))
+    lock = CompactionLock(directory, new_replica_id(), LEASE_S)
+    if not lock.acquire():
+        return None, 0
+    try:
+        snapshots = list_snapshots(directory)
+        snapshot = read_snapshot(snapshots[0], facts.tokenizer.fingerprint) if snapshots \
+            else Snapshot(directory, {}, [])
+        # Reads every segment, its own writer's included (an empty replica name is nobody's).
+        reader = JournalReader(directory, "", snapshot.segments)
+        everything = snapshot.entries + [Entry(r.key, r.doc_id, r.time_ms, r.tokens)
+                                         for r in reader.poll()]
+        kept = [e for e in everything if not rules.drops(e.time_ms, e.key)]
+        seq = int(_SNAPSHOT.fullmatch(snapshots[0].name)[1]) + 1 if snapshots else 1
+        path = directory / f"snapshot-{seq:010d}-{lock.owner}"
+        write_snapshot(path, kept, reader.offsets, facts.tokenizer)
+        remove_obsolete(directory, reader.offsets, reader.broken, "", 0.0)
+        return path, len(everything) - len(kept)
+    finally:
+        lock.release()

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.config import HybridConfig
+from vllm_retrieval_spec.config import ConfigError, HybridConfig
 from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
 from vllm_retrieval_spec.datastore.dense import DenseIndex, dense_index_in_use
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_requests import ServedRequests
-from vllm_retrieval_spec.datastore.served_saver import PeriodicSaver
+from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, tokenizer_facts
 from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepted_state_rows
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
@@ -80,8 +80,9 @@ class StepQueries:
 class ServedLearning:
     """What hybrid learns from: every request that leaves the batch is stored (its prompt and
     output) in the served store every request drafts from, or in the store its key names; with
-    ``served_dense`` its final hidden states too. Saved to ``served_datastore`` periodically and
-    at shutdown, and loaded from it at start-up."""
+    ``served_dense`` its final hidden states too. With ``served_datastore`` every stored request
+    is journaled there as well, and the stores start from it and learn from the other replicas
+    sharing it (``datastore.served_saver``)."""
 
     def __init__(self, config: HybridConfig, model_config: Any, dense: DenseIndex | None,
                  background: bool) -> None:
@@ -101,11 +102,20 @@ class ServedLearning:
                 else min(SERVED_DENSE_DIMS, model_config.get_hidden_size()),
                 projection=dense.projection if dense is not None else None,
                 fit_states=config.served_dense.served_dense_fit_states, background=background)
+        self.directory = None
+        if options.served_datastore:
+            from vllm_retrieval_spec.datastore.served_dense import ModelFacts
+
+            self.directory = ServedDirectory(
+                options.served_datastore, self.keyed or self.shared,
+                tokenizer_facts(model_config), flush_s=options.served_flush_ms / 1000,
+                compact_s=60 * options.served_save_minutes,
+                max_age_s=3600 * options.served_max_age_hours, dense=self.dense,
+                model=ModelFacts.of(model_config) if self.dense is not None else None,
+                background=background)
         self.requests: ServedRequests | None = ServedRequests(
-            self.keyed or self.shared, options.served_prompts, self.dense)
-        self.saver = PeriodicSaver(self.shared, options.served_datastore, model_config,
-                                   60 * options.served_save_minutes, self.dense) \
-            if options.served_datastore else None
+            self.keyed or self.shared, options.served_prompts, self.dense,
+            self.directory.record if self.directory is not None else None)
         #: Each batch row's key and store this step (``per_request``).
         self.row_keys: list[str | None] = []
         self.row_stores: list[ServedStore | None] = []
@@ -113,7 +123,7 @@ class ServedLearning:
         #: handover (``settle``).
         self.deferred: list[Any] | None = None
         # vLLM has no shutdown call for drafters; the worker process's exit is the last
-        # chance to store and save the requests that never left a batch. A worker started
+        # chance to store and journal the requests that never left a batch. A worker started
         # by multiprocessing may leave through os._exit, which skips atexit but still runs
         # multiprocessing's finalizers; close() runs once, whichever comes first.
         atexit.register(self.close)
@@ -129,7 +139,10 @@ class ServedLearning:
         # Requests that left the batch are finished: what they generated is served.
         self.requests.finish_absent(req_ids)
         if self.keyed is not None:
-            self.row_keys = keys or [None] * len(req_ids)
+            keys = keys or [None] * len(req_ids)
+            # On disk and in memory a key is its salted digest (``ServedDirectory.key_of``).
+            self.row_keys = keys if self.directory is None else \
+                [self.directory.key_of(key) for key in keys]
             self.row_stores = [self.keyed.get(key) for key in self.row_keys]
 
     def settle(self) -> None:
@@ -152,15 +165,15 @@ class ServedLearning:
         return stats
 
     def close(self) -> None:
-        """Store the requests still tracked, save the store (if it is persisted), stop its
+        """Store (and journal) the requests still tracked, flush the journal, stop the
         threads. Idempotent."""
         if self.requests is None:
             return
         self.settle()
         self.requests.finish_all()
         self.requests = None
-        if self.saver is not None:
-            self.saver.close()
+        if self.directory is not None:
+            self.directory.close()
         (self.keyed or self.shared).close()
         if self.dense is not None:
             self.dense.close()
@@ -343,6 +356,11 @@ def make_drafter(config: HybridConfig, vllm_config: Any,
         # would publish the new index at a different step on each rank. With several ranks
         # the index is rebuilt inside the step in which a request finishes instead.
         parallel = getattr(vllm_config, "parallel_config", None)
-        learning = ServedLearning(config, model, dense,
-                                  background=getattr(parallel, "world_size", 1) == 1)
+        world_size = getattr(parallel, "world_size", 1)
+        if config.served.served_datastore and world_size > 1:
+            # Each rank would journal every request under its own name, and read the other
+            # replicas' records at a different step from the other ranks.
+            raise ConfigError("speculative_config['served_datastore'] is not supported with "
+                              f"tensor or pipeline parallelism (world size {world_size})")
+        learning = ServedLearning(config, model, dense, background=world_size == 1)
     return HybridDrafter(config, datastore, dense, learning, report)

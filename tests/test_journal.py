@@ -1,0 +1,313 @@
+"""The served store's journal and directory: records, torn and corrupt tails, replicas sharing
+one directory, compaction, retention, purges, file modes, what cut-off writes leave."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+
+from vllm_retrieval_spec.datastore.format import DatastoreError
+from vllm_retrieval_spec.datastore.journal import (
+    NO_KEY, CompactionLock, JournalReader, JournalWriter, Record, TokenizerFacts,
+    decode_records, encode_record, list_segments, stale_temporary, this_host)
+from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
+from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, list_snapshots, purge
+
+TOKENIZER = TokenizerFacts("t", "f" * 64, 1000)
+LONG_AGO = time.time() - 3600
+
+
+def record(doc: int, tokens, time_ms: int = 1_000, key: bytes = NO_KEY) -> Record:
+    return Record(time_ms, doc, key, np.asarray(tokens, dtype=np.int32))
+
+
+def as_tuples(records):
+    return [(r.time_ms, r.doc_id, r.key, r.tokens.tolist()) for r in records]
+
+
+def replica(path, name: str, *, max_tokens: int = 1000, keyed: bool = False,
+            **options) -> ServedDirectory:
+    """A replica without threads: the test flushes, polls and compacts."""
+    stores = KeyedServedStores(max_tokens, 8, background=False) if keyed \
+        else ServedStore(max_tokens, background=False)
+    return ServedDirectory(path, stores, TOKENIZER, flush_s=1.0, compact_s=600.0,
+                           background=False, replica=name, **options)
+
+
+def serve(directory: ServedDirectory, request_id: str, tokens, key: str | None = None) -> None:
+    """What ``ServedRequests`` does when a request leaves the batch: store it, journal it."""
+    digest = directory.key_of(key)
+    if directory.keyed:
+        document = directory.stores.add(digest, request_id, tokens)
+    else:
+        document = directory.stores.add(request_id, tokens)
+    directory.record(digest, request_id, document)
+
+
+def stored(directory: ServedDirectory, key: str | None = None) -> list[list[int]]:
+    store = directory.stores.get(directory.key_of(key)) if directory.keyed else directory.stores
+    return sorted(d.tolist() for d in store.documents()) if store is not None else []
+
+
+def settle(path) -> None:
+    """Age every file, as if the replicas had been quiet for an hour."""
+    for file in path.iterdir():
+        os.utime(file, (LONG_AGO, LONG_AGO))
+
+
+# ------------------------------------------------------------------------------ records
+
+def test_records_round_trip():
+    records = [record(1, [5, 6, 7], 123), record(2**64 - 1, [], 4, bytes(range(16))),
+               record(3, [2**31 - 1, 0])]
+    data = b"".join(map(encode_record, records))
+    decoded, consumed, corrupt = decode_records(data)
+    assert as_tuples(decoded) == as_tuples(records)
+    assert (consumed, corrupt) == (len(data), False)
+
+
+def test_a_torn_record_stops_reading_and_a_corrupt_one_is_flagged():
+    first, second = encode_record(record(1, [5, 6])), encode_record(record(2, [7, 8, 9]))
+    # Cut off anywhere in the second record: the first is read, the rest waits.
+    for cut in range(1, len(second)):
+        decoded, consumed, corrupt = decode_records(first + second[:cut])
+        assert ([r.doc_id for r in decoded], consumed, corrupt) == ([1], len(first), False)
+    # One flipped bit in the payload, or a wrong magic: corrupt.
+    flipped = bytearray(second)
+    flipped[-1] ^= 1
+    assert decode_records(first + bytes(flipped))[1:] == (len(first), True)
+    assert decode_records(first + b"XXXX" + second[4:])[1:] == (len(first), True)
+
+
+def test_the_writer_flushes_segments_mode_0600_and_rotation_seals_them(tmp_path):
+    writer = JournalWriter(tmp_path, "r", 1.0, background=False)
+    writer.flush()
+    assert list(tmp_path.iterdir()) == []  # no segment before the first record
+    writer.append(record(1, [5, 6]))
+    writer.append(record(2, [7]))
+    writer.flush()
+    (segment,) = tmp_path.iterdir()
+    assert segment.name == "journal-r.0" and segment.stat().st_mode & 0o777 == 0o600
+    assert writer.flushed_sizes() == {"journal-r.0": segment.stat().st_size}
+    writer.rotate()
+    writer.append(record(3, [8]))
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal-r.0.sealed",
+                                                          "journal-r.1.sealed"]
+    reader = JournalReader(tmp_path, "other", {})
+    assert [r.doc_id for r in reader.poll()] == [1, 2, 3]
+    assert reader.poll() == []  # nothing new
+
+
+def test_a_writer_whose_segment_was_deleted_starts_another(tmp_path):
+    writer = JournalWriter(tmp_path, "r", 1.0, background=False)
+    writer.append(record(1, [5]))
+    writer.flush()
+    (tmp_path / "journal-r.0").unlink()  # taken for a dead replica's
+    writer.append(record(2, [6]))
+    writer.flush()
+    assert [r.doc_id for r in JournalReader(tmp_path, "x", {}).poll()] == [2]
+
+
+def test_torn_and_corrupt_tails_are_skipped_with_one_warning(tmp_path, caplog):
+    good = encode_record(record(1, [5, 6]))
+    (tmp_path / "journal-a.0").write_bytes(good + encode_record(record(2, [7, 8]))[:-3])
+    broken = bytearray(good + encode_record(record(3, [9])))
+    broken[-2] ^= 0xFF
+    (tmp_path / "journal-b.0").write_bytes(bytes(broken))
+    reader = JournalReader(tmp_path, "me", {})
+    with caplog.at_level(logging.WARNING):
+        # A fresh torn tail may be a write in progress: no warning yet, the corrupt one warns.
+        assert [r.doc_id for r in reader.poll()] == [1, 1]
+        assert reader.poll() == []
+        assert len(caplog.records) == 1 and "journal-b.0" in caplog.text
+        # Still torn long after its last write: its writer died mid-write.
+        settle(tmp_path)
+        assert reader.poll() == [] and reader.poll() == []
+    assert len(caplog.records) == 2 and "cut off by a crash" in caplog.records[1].message
+    assert reader.offsets == {"journal-a.0": len(good), "journal-b.0": len(good)}
+
+
+# ---------------------------------------------------------------------------- replicas
+
+def test_start_up_replays_the_journal_of_a_killed_replica(tmp_path):
+    first = replica(tmp_path, "h-1-a")
+    serve(first, "x", [5, 6, 7])
+    serve(first, "y", [8, 9])
+    first.writer.flush()
+    serve(first, "z", [1, 2])  # queued, never flushed: the kill -9 loses it
+    # No close: a killed process leaves its segment unsealed.
+    second = replica(tmp_path, "h-2-b")
+    assert stored(second) == [[5, 6, 7], [8, 9]]
+    # Every record carries its finishing time.
+    assert all(abs(t - time.time() * 1000) < 60_000 for _, t, _ in second.stores.items())
+
+
+def test_replicas_tail_each_other_and_keys_stay_apart(tmp_path):
+    a = replica(tmp_path, "h-1-a", keyed=True)
+    b = replica(tmp_path, "h-2-b", keyed=True)
+    assert a.salt == b.salt  # one directory, one salt
+    serve(a, "r1", [5, 6, 7], key="tenant-x")
+    serve(a, "r2", [5, 6, 9], key="tenant-y")
+    a.writer.flush()
+    b.sync()
+    assert stored(b, "tenant-x") == [[5, 6, 7]] and stored(b, "tenant-y") == [[5, 6, 9]]
+    assert stored(b, "tenant-z") == []
+    serve(b, "r1", [1, 2], key="tenant-x")  # the same request id on another replica
+    b.writer.flush()
+    a.sync()
+    assert stored(a, "tenant-x") == [[1, 2], [5, 6, 7]]
+    # The key is on disk only as a salted digest.
+    for segment in list_segments(tmp_path).values():
+        assert b"tenant" not in segment.path.read_bytes()
+    # A shared store never takes keyed requests (nor the reverse).
+    shared = replica(tmp_path, "h-3-c")
+    assert stored(shared) == []
+
+
+def test_compaction_with_several_writers_loses_and_duplicates_nothing(tmp_path):
+    a, b = replica(tmp_path, "h-1-a"), replica(tmp_path, "h-2-b")
+    serve(a, "1", [1, 1])
+    serve(b, "2", [2, 2])
+    a.writer.flush()
+    b.writer.flush()
+    a.sync()
+    serve(a, "3", [3, 3])  # stored, not yet flushed: in the snapshot and, later, the journal
+    snapshot = a.compact(force=True)
+    assert snapshot is not None and snapshot.name.startswith("snapshot-0000000001-h-1-a")
+    assert {p.stat().st_mode & 0o777 for p in snapshot.iterdir()} == {0o600}
+    a.writer.flush()
+    serve(b, "4", [4, 4])  # after the snapshot: only in b's journal
+    b.writer.flush()
+    b.sync()
+    # b's lease on the lock is refused while a holds it.
+    assert CompactionLock(tmp_path, "a", 600).acquire()
+    assert b.compact(force=True) is None
+    (tmp_path / "compact.lock").unlink()
+    # A third replica: the snapshot, then every segment after it; request 3 once.
+    c = replica(tmp_path, "h-3-c")
+    assert stored(c) == [[1, 1], [2, 2], [3, 3], [4, 4]]
+    assert c.stores.num_documents == 4
+    # b compacts next; once quiet, the segments it includes whole and whose writers are done
+    # go (a's and b's sealed ones), and only the newest two snapshots stay.
+    serve(b, "5", [5, 5])
+    b.writer.flush()
+    b.compact(force=True)
+    settle(tmp_path)
+    c.sync()
+    c.compact(force=True)
+    segments = list_segments(tmp_path)
+    assert all(not s.sealed for s in segments.values())
+    assert len(list_snapshots(tmp_path)) == 2
+    d = replica(tmp_path, "h-4-d")
+    assert stored(d) == [[1, 1], [2, 2], [3, 3], [4, 4], [5, 5]]
+
+
+def test_a_snapshot_that_does_not_load_falls_back_to_the_one_before(tmp_path, caplog):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", [1, 1])
+    a.writer.flush()
+    a.compact(force=True)
+    serve(a, "2", [2, 2])
+    a.writer.flush()
+    newest = a.compact(force=True)
+    (newest / "tokens.npy").write_bytes(b"garbage")
+    with caplog.at_level(logging.WARNING):
+        b = replica(tmp_path, "h-2-b")
+    assert "does not load" in caplog.text
+    assert stored(b) == [[1, 1], [2, 2]]
+
+
+def test_another_tokenizers_directory_is_refused(tmp_path):
+    replica(tmp_path, "h-1-a")
+    with pytest.raises(DatastoreError, match="another tokenizer"):
+        ServedDirectory(tmp_path, ServedStore(10, background=False),
+                        TokenizerFacts("u", "0" * 64, 1000), flush_s=1, compact_s=60,
+                        background=False)
+
+
+# ---------------------------------------------------------------------------- retention
+
+def test_requests_older_than_the_age_limit_are_evicted_and_leave_the_snapshot(tmp_path):
+    a = replica(tmp_path, "h-1-a", max_age_s=3600)
+    now = time.time_ns() // 1_000_000
+    a.stores.add("old", [1, 1], now - 2 * 3600 * 1000)
+    serve(a, "new", [2, 2])
+    # Another replica journaled an old request: it is not even stored.
+    writer = JournalWriter(tmp_path, "h-9-z", 1.0, background=False)
+    writer.append(record(7, [3, 3], now - 2 * 3600 * 1000))
+    writer.flush()
+    a.sync()
+    assert stored(a) == [[1, 1], [2, 2]]
+    assert a.remove_dropped() == 1
+    assert stored(a) == [[2, 2]]
+    a.writer.flush()
+    a.compact(force=True)
+    assert stored(replica(tmp_path, "h-2-b")) == [[2, 2]]
+
+
+def test_purge_by_key_and_age_reaches_running_replicas_and_the_disk(tmp_path):
+    a = replica(tmp_path, "h-1-a", keyed=True)
+    serve(a, "1", [1, 1], key="x")
+    serve(a, "2", [2, 2], key="y")
+    a.writer.flush()
+    time.sleep(0.01)
+    snapshot, removed = purge(tmp_path, key="x")
+    assert removed == 1 and snapshot is not None
+    # The running replica drops it at its next poll; later requests of "x" are kept.
+    a.sync()
+    assert stored(a, "x") == [] and stored(a, "y") == [[2, 2]]
+    serve(a, "3", [3, 3], key="x")
+    a.writer.flush()
+    a.close()
+    # On disk: no request of "x" from before the purge, anywhere a new replica reads.
+    b = replica(tmp_path, "h-2-b", keyed=True)
+    assert stored(b, "x") == [[3, 3]] and stored(b, "y") == [[2, 2]]
+    # Everything older than an hour: nothing here is.
+    assert purge(tmp_path, older_than_hours=1)[1] == 0
+    # Everything: the stopped fleet's files hold nothing more.
+    settle(tmp_path)
+    snapshot, removed = purge(tmp_path)
+    assert removed == 2
+    assert replica(tmp_path, "h-3-c", keyed=True).stores.num_documents == 0
+    assert [s.name for s in list_segments(tmp_path).values()] == []
+
+
+def test_purge_needs_a_served_store(tmp_path):
+    with pytest.raises(DatastoreError, match="not a served store"):
+        purge(tmp_path)
+
+
+# ------------------------------------------------------------------------- housekeeping
+
+def test_what_cut_off_writes_left_is_removed_at_start_up(tmp_path):
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    assert not stale_temporary("snapshot-1-h-1-a", 0, "h")
+    assert stale_temporary(f"snapshot-1-h-1-a.tmp-{dead}", 0, "h")
+    assert not stale_temporary(f"snapshot-1-h-1-a.tmp-{os.getpid()}", 0, "h")
+    # Another host's pid means nothing here: only age tells.
+    assert not stale_temporary(f"snapshot-1-g-1-a.tmp-{dead}", 60, "h")
+    assert stale_temporary(f"snapshot-1-g-1-a.tmp-{dead}", 7200, "h")
+    (tmp_path / f"store.json.tmp-{dead}").write_text("{")
+    (tmp_path / f"snapshot-1-{this_host()}-{dead}-a.tmp-{dead}").mkdir()
+    (tmp_path / f"snapshot-1-{this_host()}-1-a.tmp-{os.getpid()}").mkdir()  # being written
+    replica(tmp_path, "h-1-a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"snapshot-1-{this_host()}-1-a.tmp-{os.getpid()}", "store.json"]
+
+
+def test_the_lock_is_taken_over_once_its_lease_ran_out(tmp_path):
+    held = CompactionLock(tmp_path, "a", 600)
+    assert held.acquire()
+    assert not CompactionLock(tmp_path, "b", 600).acquire()
+    settle(tmp_path)
+    taker = CompactionLock(tmp_path, "b", 600)
+    assert taker.acquire()
+    held.release()  # not a's any more: left alone
+    assert (tmp_path / "compact.lock").read_text() == "b"
+    taker.release()
+    assert not (tmp_path / "compact.lock").exists()

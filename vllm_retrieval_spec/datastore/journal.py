@@ -1,0 +1,553 @@
+"""The served store's journal: the files in a ``served_datastore`` directory that make it
+durable and shared by a fleet of replicas, with no lock beyond atomic renames (and a lease
+that only saves duplicated work).
+
+    store.json                    the tokenizer's fingerprint and the salt of key hashes
+    journal-<replica>.<n>         the n-th journal segment of one replica: only it appends
+    journal-<replica>.<n>.sealed  a segment its replica will never append to again
+    snapshot-<seq>-<replica>/     a snapshot: a datastore (``datastore.format``) of the
+                                  requests kept, their times and keys, and how far into each
+                                  segment it includes (``datastore.served_saver``)
+    purge-<ms>-<random>.json      a purge: requests (of one key) finished before a time go
+    compact.lock                  held while a replica writes a snapshot
+
+A segment is a sequence of records, each ``magic | payload length | crc32 | payload``, the
+payload ``time (ms) | document id | key digest | int32 tokens``. A replica appends a batch with
+one write and one fsync; a reader takes the complete records and comes back for the rest. A
+record that never completes (its writer was killed mid-write) or fails its checksum ends what
+is read of that segment, with one warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vllm_retrieval_spec.atomic import atomic_path
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RSJ1"
+_FRAME = struct.Struct("<4sII")
+_HEADER = struct.Struct("<qQ16s")
+#: A payload longer than this is corruption, not a request (2**31 tokens cap the store).
+MAX_PAYLOAD = _HEADER.size + 4 * (1 << 31)
+#: The key digest of the shared store's requests.
+NO_KEY = bytes(16)
+
+STORE_FILE = "store.json"
+LOCK_FILE = "compact.lock"
+SEALED = ".sealed"
+#: Replica ids (``new_replica_id``) have no dots: a name parses one way.
+REPLICA = r"[A-Za-z0-9_-]+"
+_SEGMENT = re.compile(rf"(journal-({REPLICA})\.(\d+))(\.sealed)?")
+_PURGE = re.compile(r"purge-\d+-[0-9a-f]+\.json")
+_TEMPORARY = re.compile(r".+\.(?:tmp|old)-(\d+)")
+#: A record that stays incomplete or unreadable this long after its segment last changed was
+#: cut off: its writer died (a live writer completes a batch within one write).
+SETTLE_S = 30.0
+#: A temporary left by another host is removed after this long: its pid means nothing here.
+FOREIGN_TEMPORARY_S = 3600.0
+#: Files and directories the store creates: readable by the serving user only.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True)
+class Record:
+    """One finished request: when it finished (ms since the epoch), its document id (unique in
+    the fleet), its ``per_request`` key's digest (``NO_KEY``: the shared store), its tokens."""
+
+    time_ms: int
+    doc_id: int
+    key: bytes
+    tokens: np.ndarray
+
+
+def encode_record(record: Record) -> bytes:
+    payload = _HEADER.pack(record.time_ms, record.doc_id, record.key) + \
+        np.ascontiguousarray(record.tokens, dtype="<i4").tobytes()
+    return _FRAME.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def decode_records(data: bytes) -> tuple[list[Record], int, bool]:
+    """The complete records at the start of ``data``: (records, bytes they take, whether
+    reading stopped at a corrupt record rather than at the end or an incomplete one)."""
+    records = []
+    offset = 0
+    view = memoryview(data)
+    while len(data) - offset >= _FRAME.size:
+        magic, length, crc = _FRAME.unpack_from(data, offset)
+        if magic != MAGIC or not _HEADER.size <= length <= MAX_PAYLOAD \
+                or (length - _HEADER.size) % 4:
+            return records, offset, True
+        end = offset + _FRAME.size + length
+        if end > len(data):
+            break
+        payload = view[offset + _FRAME.size:end]
+        if zlib.crc32(payload) != crc:
+            return records, offset, True
+        time_ms, doc_id, key = _HEADER.unpack_from(payload)
+        tokens = np.frombuffer(payload[_HEADER.size:], dtype="<i4").astype(np.int32)
+        records.append(Record(time_ms, doc_id, key, tokens))
+        offset = end
+    return records, offset, False
+
+
+def doc_id(replica: str, request_id: str) -> int:
+    """A fleet-wide document id: a resumed request (same replica, same request id) gets the
+    same one, so that its later record replaces the earlier one."""
+    digest = hashlib.blake2b(f"{replica}/{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def key_digest(key: str, salt: bytes) -> bytes:
+    """What the store keeps of a ``per_request`` key: a salted hash (the salt is the
+    directory's), so the files do not hold tenants' names."""
+    return hashlib.blake2b(key.encode(), digest_size=16, key=salt).digest()
+
+
+def new_replica_id() -> str:
+    """``<host>-<pid>-<random>``: unique per process, and names the host and pid that wrote a
+    file (``stale_temporary`` reads them)."""
+    host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def create_private(path: Path) -> int:
+    """A new file only the serving user can read, opened for appending."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, FILE_MODE)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a created or renamed entry of ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a small file atomically (renamed into place), mode 0600, fsynced."""
+    with atomic_path(path) as temporary:
+        fd = create_private(temporary)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_directory(path.parent)
+
+
+# ------------------------------------------------------------------------------ segments
+
+@dataclass(frozen=True)
+class Segment:
+    """A journal segment file: ``name`` is its identity (sealing does not change it)."""
+
+    path: Path
+    name: str
+    replica: str
+    number: int
+    sealed: bool
+
+    @classmethod
+    def parse(cls, path: Path) -> Segment | None:
+        match = _SEGMENT.fullmatch(path.name)
+        if match is None:
+            return None
+        return cls(path, match[1], match[2], int(match[3]), match[4] is not None)
+
+
+def list_segments(directory: Path) -> dict[str, Segment]:
+    """Every journal segment in ``directory`` by name, each replica's in the order written
+    (a resumed request's later record must replace its earlier one); one sealed while the
+    directory was listed may show under both its names: it is listed once, sealed."""
+    segments: dict[str, Segment] = {}
+    for path in directory.iterdir():
+        segment = Segment.parse(path)
+        if segment is not None and (segment.sealed or segment.name not in segments):
+            segments[segment.name] = segment
+    return dict(sorted(segments.items(), key=lambda item: (item[1].replica, item[1].number)))
+
+
+class JournalWriter:
+    """This replica's journal. ``append`` only queues (the drafting path calls it); a thread
+    writes what is queued every ``flush_s`` seconds as one write and one fsync, so a crash
+    loses at most the last interval.
+
+    ``rotate`` seals the current segment: the next batch starts segment n + 1, and a snapshot
+    that includes a sealed segment whole lets it be deleted. ``background=False``: no thread,
+    the caller flushes (tests).
+    """
+
+    def __init__(self, directory: Path, replica: str, flush_s: float, *,
+                 background: bool = True) -> None:
+        self.directory = directory
+        self.replica = replica
+        self.flush_s = flush_s
+        self._queue: list[Record] = []
+        self._queue_lock = threading.Lock()
+        #: Held while writing, rotating and reading sizes: one writer at a time.
+        self._write_lock = threading.Lock()
+        self._number = 0
+        self._fd: int | None = None
+        self._path: Path | None = None
+        #: Bytes written to each of this replica's segments (the current one last).
+        self.sizes: dict[str, int] = {}
+        self.failed_batches = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._flush_forever, name="served-journal",
+                                            daemon=True)
+            self._thread.start()
+
+    def append(self, record: Record) -> None:
+        with self._queue_lock:
+            self._queue.append(record)
+
+    def flush(self) -> None:
+        """Write and fsync everything queued (the thread calls this every interval)."""
+        with self._queue_lock:
+            batch, self._queue = self._queue, []
+        if not batch:
+            return
+        data = b"".join(map(encode_record, batch))
+        with self._write_lock:
+            try:
+                fd = self._current()
+                written = 0
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+                self.sizes[self._segment_name()] += len(data)
+            except OSError:
+                # Serving goes on; these requests stay in memory and reach the next snapshot.
+                self.failed_batches += 1
+                logger.exception("served store: could not write %d records to the journal in "
+                                 "%s", len(batch), self.directory)
+
+    def rotate(self) -> None:
+        """Seal the current segment (if it has records): it is never appended to again."""
+        with self._write_lock:
+            if self._fd is None:
+                return
+            os.close(self._fd)
+            self._fd = None
+            try:
+                os.rename(self._path, self._path.with_name(self._path.name + SEALED))
+            except FileNotFoundError:
+                pass  # deleted as a dead replica's (``stale_segment``): nothing left to seal
+            self._number += 1
+
+    def flushed_sizes(self) -> dict[str, int]:
+        with self._write_lock:
+            return dict(self.sizes)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Segments deleted after a snapshot included them."""
+        with self._write_lock:
+            for name in names:
+                if self._fd is None or name != self._segment_name():
+                    self.sizes.pop(name, None)
+
+    def close(self) -> None:
+        """A last flush, then the segment is sealed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.flush()
+        self.rotate()
+
+    def _segment_name(self) -> str:
+        return f"journal-{self.replica}.{self._number}"
+
+    def _current(self) -> int:
+        """The current segment's fd: created at the first batch after a rotation, and again if
+        another replica took this one for a dead replica's and deleted it."""
+        if self._fd is not None:
+            try:
+                alive = os.fstat(self._fd).st_ino == os.stat(self._path).st_ino
+            except FileNotFoundError:
+                alive = False
+            if alive:
+                return self._fd
+            os.close(self._fd)
+            self._fd = None
+            self._number += 1
+        self._path = self.directory / self._segment_name()
+        self._fd = create_private(self._path)
+        fsync_directory(self.directory)
+        self.sizes[self._segment_name()] = 0
+        return self._fd
+
+    def _flush_forever(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            self.flush()
+
+
+class JournalReader:
+    """Reads the records other replicas (and earlier processes) appended: each segment from
+    where the last ``poll`` (or the snapshot loaded) stopped, complete records only."""
+
+    def __init__(self, directory: Path, replica: str, offsets: dict[str, int]) -> None:
+        self.directory = directory
+        self.replica = replica
+        #: Segment name -> bytes read (or included in the snapshot loaded).
+        self.offsets = dict(offsets)
+        #: Segments whose rest is unreadable (warned once each).
+        self.broken: set[str] = set()
+
+    def poll(self, now: float | None = None) -> list[Record]:
+        now = time.time() if now is None else now
+        records: list[Record] = []
+        for segment in list_segments(self.directory).values():
+            if segment.replica == self.replica or segment.name in self.broken:
+                continue
+            records += self._read(segment, now)
+        return records
+
+    def _read(self, segment: Segment, now: float) -> list[Record]:
+        offset = self.offsets.get(segment.name, 0)
+        try:
+            with open(segment.path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                if stat.st_size <= offset:
+                    return []
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []  # sealed or deleted meanwhile: read at the next poll, or included
+        records, consumed, corrupt = decode_records(data)
+        self.offsets[segment.name] = offset + consumed
+        if consumed < len(data) and (corrupt or segment.sealed
+                                     or now - stat.st_mtime > SETTLE_S):
+            self.broken.add(segment.name)
+            logger.warning("served store: %s holds %d unreadable bytes after byte %d (%s); "
+                           "they are skipped", segment.path, len(data) - consumed,
+                           offset + consumed, "a corrupt record" if corrupt
+                           else "a record cut off by a crash")
+        return records
+
+
+# ------------------------------------------------------------------------------- purges
+
+@dataclass
+class PurgeRules:
+    """Requests finished before ``before_ms`` go, and those of a key before its time."""
+
+    before_ms: int = 0
+    key_before_ms: dict[bytes, int] = dataclasses.field(default_factory=dict)
+
+    def drops(self, time_ms: int, key: bytes) -> bool:
+        return time_ms < self.before_ms or time_ms < self.key_before_ms.get(key, 0)
+
+    def add(self, before_ms: int, key: bytes | None) -> None:
+        if key is None:
+            self.before_ms = max(self.before_ms, before_ms)
+        else:
+            self.key_before_ms[key] = max(self.key_before_ms.get(key, 0), before_ms)
+
+
+def write_purge(directory: Path, rules: PurgeRules) -> Path:
+    """A purge file: every replica drops the requests ``rules`` name at its next poll."""
+    path = directory / f"purge-{now_ms()}-{secrets.token_hex(4)}.json"
+    write_private(path, json.dumps({"before_ms": rules.before_ms, "keys": {
+        key.hex(): before_ms for key, before_ms in rules.key_before_ms.items()}}))
+    return path
+
+
+def read_purges(paths: Iterable[Path]) -> PurgeRules:
+    """The rules of the purge files ``paths`` together."""
+    rules = PurgeRules()
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue  # merged into another purge file meanwhile
+        rules.add(int(data["before_ms"]), None)
+        for key, before_ms in data["keys"].items():
+            rules.add(int(before_ms), bytes.fromhex(key))
+    return rules
+
+
+def purge_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if _PURGE.fullmatch(p.name))
+
+
+# ------------------------------------------------------------------------ housekeeping
+
+class CompactionLock:
+    """One snapshot writer at a time: ``compact.lock`` is created exclusively, and taken over
+    once its holder's lease (``lease_s`` since it last wrote the file) ran out: a holder
+    killed mid-snapshot blocks nobody. Two replicas taking over one lease at once would both
+    write a snapshot: that costs work, never data (``datastore.served_saver``)."""
+
+    def __init__(self, directory: Path, owner: str, lease_s: float) -> None:
+        self.path = directory / LOCK_FILE
+        self.owner = owner
+        self.lease_s = lease_s
+
+    def acquire(self) -> bool:
+        for _ in range(2):
+            try:
+                fd = create_private(self.path)
+            except FileExistsError:
+                try:
+                    expired = time.time() - self.path.stat().st_mtime > self.lease_s
+                except FileNotFoundError:
+                    continue
+                if not expired:
+                    return False
+                self.path.unlink(missing_ok=True)
+                continue
+            os.write(fd, self.owner.encode())
+            os.close(fd)
+            return True
+        return False
+
+    def release(self) -> None:
+        try:
+            if self.path.read_text() == self.owner:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temporary(name: str, age_s: float, host: str) -> bool:
+    """Whether ``name`` is what a cut-off atomic write left (``atomic.atomic_path``'s
+    ``.tmp-<pid>``, ``.old-<pid>``): its pid is dead on this host and the name says this host
+    wrote it (snapshots name their replica), or it is old enough that no write still runs."""
+    match = _TEMPORARY.fullmatch(name)
+    if match is None:
+        return False
+    if age_s > FOREIGN_TEMPORARY_S:
+        return True
+    ours = f"-{host}-" in name or not name.startswith("snapshot-")
+    return ours and not pid_alive(int(match[1]))
+
+
+def stale_segment(segment: Segment, age_s: float, host: str) -> bool:
+    """Whether an unsealed segment's writer is gone: its pid is dead on this host, or it has
+    not written for ``FOREIGN_TEMPORARY_S`` (another host's)."""
+    if age_s > FOREIGN_TEMPORARY_S:
+        return True
+    parts = segment.replica.rsplit("-", 2)
+    return len(parts) == 3 and parts[0] == host and parts[1].isdigit() \
+        and not pid_alive(int(parts[1]))
+
+
+def this_host() -> str:
+    return new_replica_id().rsplit("-", 2)[0]
+
+
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    """Remove what cut-off writes left in ``directory``; returns their names."""
+    import shutil
+
+    host = this_host()
+    removed = []
+    for path in directory.iterdir():
+        try:
+            age = time.time() - path.lstat().st_mtime
+        except FileNotFoundError:
+            continue
+        if stale_temporary(path.name, age, host):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """The served model's tokenizer, as snapshots' manifests record it."""
+
+    name: str
+    fingerprint: str
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class StoreFacts:
+    """``store.json``: whose tokens the directory holds, and the salt of its key digests."""
+
+    tokenizer: TokenizerFacts
+    salt: bytes
+
+
+def read_store_facts(directory: Path) -> StoreFacts:
+    from vllm_retrieval_spec.datastore.format import DatastoreError
+
+    try:
+        data = json.loads((directory / STORE_FILE).read_text())
+    except FileNotFoundError:
+        raise DatastoreError(f"{directory} is not a served store: it has no {STORE_FILE}") \
+            from None
+    return StoreFacts(TokenizerFacts(**data["tokenizer"]), bytes.fromhex(data["key_salt"]))
+
+
+def store_facts(directory: Path, tokenizer: TokenizerFacts) -> StoreFacts:
+    """The directory's facts, after checking that it holds this tokenizer's tokens (the first
+    replica writes ``store.json``: journals would otherwise be read as any model's tokens)."""
+    from vllm_retrieval_spec.datastore.format import DatastoreError
+
+    path = directory / STORE_FILE
+    if not path.is_file():
+        staged = path.with_name(f"{STORE_FILE}.tmp-{os.getpid()}")
+        staged.unlink(missing_ok=True)  # only a dead process with our pid left it
+        fd = create_private(staged)
+        try:
+            os.write(fd, json.dumps({"tokenizer": dataclasses.asdict(tokenizer),
+                                     "key_salt": secrets.token_hex(16)}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            # Not a rename: two replicas starting together must agree on one salt.
+            os.link(staged, path)
+        except FileExistsError:
+            pass
+        finally:
+            staged.unlink()
+        fsync_directory(directory)
+    facts = read_store_facts(directory)
+    if facts.tokenizer.fingerprint != tokenizer.fingerprint:
+        raise DatastoreError(
+            f"served store {directory} holds tokens of another tokenizer "
+            f"({facts.tokenizer.name!r}, fingerprint {facts.tokenizer.fingerprint}; the model's "
+            f"is {tokenizer.fingerprint}): give this model a directory of its own")
+    return facts
