@@ -186,3 +186,31 @@ def test_tasks_short_of_the_prompts_asked_for_are_named(tmp_path, capsys):
                                          "fewer than the 3 asked for"):
         cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--prompts-file",
                   str(prompts), "--prompts", "3", "--prompt-offset", "2"])
+
+
+def test_served_purge_removes_a_keys_requests(tmp_path, capsys):
+    import numpy as np
+
+    from vllm_retrieval_spec.datastore.journal import TokenizerFacts
+    from vllm_retrieval_spec.datastore.served import KeyedServedStores
+    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory
+
+    def replica():
+        return ServedDirectory(tmp_path, KeyedServedStores(100, 4, background=False),
+                               TokenizerFacts("t", "f" * 64, 100), flush_s=1, compact_s=60,
+                               background=False)
+
+    served = replica()
+    for key, request_id in (("x", "1"), ("y", "2")):
+        digest = served.key_of(key)
+        served.record(digest, request_id, served.stores.add(digest, request_id, np.arange(3)))
+    served.close()
+    cli.main(["served", "purge", str(tmp_path), "--key", "x"])
+    assert "1 request(s) removed from the files" in capsys.readouterr().out
+    after = replica()
+    assert after.stores.get(after.key_of("x")) is None
+    assert after.stores.get(after.key_of("y")).num_documents == 1
+    with pytest.raises(SystemExit, match="not a served store"):
+        cli.main(["served", "purge", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match="--older-than must be 0 or more"):
+        cli.main(["served", "purge", str(tmp_path), "--older-than", "-1"])

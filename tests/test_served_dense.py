@@ -315,3 +315,31 @@ def test_a_crash_while_writing_keys_leaves_the_previous_save(tmp_path, monkeypat
     assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*")) == before
     assert load_datastore(path).manifest.num_documents == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]
+
+
+def test_a_snapshots_keys_load_into_the_requests_it_keeps(tmp_path):
+    """A served directory's snapshot carries the dense keys; at start-up they point into the
+    requests stored, those dropped (here by age) leave theirs behind."""
+    import time
+
+    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory
+
+    rng = np.random.default_rng(10)
+    store = ServedStore(1000, background=False)
+    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
+    old = time.time_ns() // 1_000_000 - 2 * 3600 * 1000
+    states = {}
+    for name, start, time_ms in (("a", 100, None), ("b", 200, old), ("c", 300, None)):
+        document = store.add(name, np.arange(start, start + 8, dtype=np.int32), time_ms)
+        states[name] = unit(rng, 5)
+        dense.add(document, states[name], np.arange(1, 6))
+    options = {"flush_s": 1.0, "compact_s": 60.0, "model": model_facts(), "background": False}
+    ServedDirectory(tmp_path, store, TOKENIZER, dense=dense, **options).compact(force=True)
+    restored = ServedStore(1000, background=False)
+    restored_dense = ServedDenseStore(100, DIMS, background=False)
+    ServedDirectory(tmp_path, restored, TOKENIZER, max_age_s=3600, dense=restored_dense,
+                    **options)
+    assert restored.num_documents == 2 and restored_dense.num_keys == 10
+    for name, start in (("a", 100), ("c", 300)):
+        found = candidate_lists(restored_dense, states[name][2], emitted=start + 4, top_n=1)[0]
+        assert found == [[start + 5, start + 6, start + 7]]

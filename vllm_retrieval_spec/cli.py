@@ -110,6 +110,19 @@ def inspect_command(args: argparse.Namespace) -> None:
           + ("  (checksums verified)" if args.verify else ""))
 
 
+def served_purge_command(args: argparse.Namespace) -> None:
+    """Purge requests from a served store's directory, its replicas running or not."""
+    from vllm_retrieval_spec.datastore.served_saver import purge
+
+    if args.older_than is not None and args.older_than < 0:
+        raise SystemExit("error: --older-than must be 0 or more hours")
+    snapshot, removed = purge(args.directory, key=args.key, older_than_hours=args.older_than)
+    print("running replicas drop the purged requests within their flush interval (1 s); "
+          + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name}"
+             if snapshot is not None else
+             "a replica is writing a snapshot: the files lose them at the fleet's next one"))
+
+
 def fetch_model_command(args: argparse.Namespace) -> None:
     print(resolve_model(args.model))
 
@@ -217,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("datastore")
     p.add_argument("--verify", action="store_true", help="also verify every checksum")
     p.set_defaults(func=inspect_command)
+
+    p = sub.add_parser("served", help="manage a served store's directory (served_datastore)")
+    served = p.add_subparsers(dest="served_command", required=True)
+    p = served.add_parser("purge", help="remove requests from a served store, its replicas "
+                                        "running or not (all of them without options)")
+    p.add_argument("directory", help="the served_datastore directory")
+    p.add_argument("--key", help="only the requests of this per_request key")
+    p.add_argument("--older-than", type=float, metavar="HOURS",
+                   help="only requests that finished more than this many hours ago")
+    p.set_defaults(func=served_purge_command)
 
     p = sub.add_parser("serve", help="start vLLM's OpenAI server (other arguments pass through)",
                        allow_abbrev=False)

@@ -328,18 +328,17 @@ class ServedDirectory:
             logger.warning("served dense store: the keys in %s are not loaded (%s)", path, e)
             return
         positions = np.asarray(index.positions)
-        which = np.searchsorted(document_starts([e.tokens for e in entries]), positions,
-                                side="right") - 1
         starts = document_starts([e.tokens for e in entries])
+        which = np.searchsorted(starts, positions, side="right") - 1
         cut = np.array([len(e.tokens) - (0 if d is None else len(d))
                         for e, d in zip(entries, documents)], dtype=np.int64)
+        # Each key's position in its stored document; kept where that document is.
         within = positions - starts[which] - cut[which]
-        kept = [d for d in documents if d is not None]
-        new_row = np.cumsum([d is not None for d in documents]) - 1
         stored = np.array([d is not None for d in documents])
         ok = stored[which] & (within >= 0)
-        new_positions = document_starts(kept)[new_row[which[ok]]] + within[ok] if kept \
-            else within[ok]
+        kept = [d for d in documents if d is not None]
+        new_row = np.cumsum(stored) - 1
+        new_positions = (document_starts(kept)[new_row[which[ok]]] if kept else 0) + within[ok]
         loaded = self.dense.load_keys(kept, np.asarray(index.keys)[ok], new_positions,
                                       index.projection)
         logger.info("served dense store: loaded %d keys from %s", loaded, path)
