@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.metadata
 import json
 import math
@@ -43,8 +44,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from benchmarks.kernel_timing import chain, retrieval_tree
+from vllm_retrieval_spec.kernels.paged_tree_attention import (
+    PagedTreeBuffers,
+    paged_tree_attention,
+    paged_tree_attention_reference,
+    paged_trees,
+)
+from vllm_retrieval_spec.kernels.projection import project_reference, project_triton
+from vllm_retrieval_spec.kernels.tree_attention import (
+    tree_ancestor_mask,
+    tree_attention_masked_triton,
+    tree_attention_reference,
+    tree_mask_triton,
+)
 
 #: vLLM's default KV-cache block size on CUDA.
 BLOCK_SIZE = 16
@@ -260,14 +275,6 @@ def check(kernel: str, case: str, err: float, tolerance: float, **fields: Any) -
 
 
 def kernels_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) -> None:
-    from vllm_retrieval_spec.kernels.projection import project_reference, project_triton
-    from vllm_retrieval_spec.kernels.tree_attention import (
-        tree_ancestor_mask,
-        tree_attention_masked_triton,
-        tree_attention_reference,
-        tree_mask_triton,
-    )
-
     g = torch.Generator(device=plan.device).manual_seed(0)
     trees = {"chain-16": chain(16), "verify-64": verify_tree(64),
              "retrieval-64": retrieval_tree(64), "retrieval-128": retrieval_tree(128, roots=8)}
@@ -338,12 +345,6 @@ def paged_cases(plan: Plan) -> list[PagedCase]:
 
 
 def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) -> None:
-    from vllm_retrieval_spec.kernels.paged_tree_attention import (
-        paged_tree_attention,
-        paged_tree_attention_reference,
-        paged_trees,
-    )
-
     heads, kv_heads, head_dim = plan.attention_shape
     scale = head_dim ** -0.5
     g = torch.Generator(device=plan.device).manual_seed(1)
@@ -478,6 +479,7 @@ class Step:
     @classmethod
     def make(cls, caches: Caches, rows: slice, start: int, tokens: int,
              parents: list[int] | None, device: torch.device) -> Step:
+        # Imports Triton, so not before main() has set TRITON_INTERPRET for --tiny.
         from torch.nn.attention.bias import causal_lower_right
 
         positions = start + torch.arange(tokens, device=device)
@@ -487,8 +489,6 @@ class Step:
         step = cls(caches, rows, start, tokens, blocks, offsets,
                    causal_lower_right(tokens, start + tokens), parents)
         if parents is not None and leading_chain_len(parents) < len(parents):
-            from vllm_retrieval_spec.kernels.paged_tree_attention import paged_trees
-
             batch = rows.stop - rows.start
             # Each sequence's row 0 is its root (the last sampled token), whose K/V the layer
             # writes to the cache first: the tree's cached context includes it.
@@ -500,14 +500,11 @@ class Step:
 
 
 def paged_verify_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                           value: torch.Tensor, attention_mask: Any, scaling: float,
-                           dropout: float = 0.0, verify_step: Step | None = None,
-                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+                           value: torch.Tensor, attention_mask: Any, *, scaling: float,
+                           verify_step: Step, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: ``query`` ``[B, heads, tokens, head_dim]``, ``key`` and
     ``value`` ``[B, kv_heads, tokens, head_dim]`` (rotary applied); returns ``[B, tokens, heads,
     head_dim]``. The model's forward is given ``verify_step``, which reaches every layer."""
-    from torch.nn.functional import scaled_dot_product_attention
-
     step = verify_step
     caches, layer = step.caches, module.layer_idx
     end = step.start + step.tokens
@@ -524,8 +521,6 @@ def paged_verify_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                                        scale=scaling, enable_gqa=True)
     out = out.transpose(1, 2).contiguous()
     if step.trees is not None:
-        from vllm_retrieval_spec.kernels.paged_tree_attention import paged_tree_attention
-
         paged_tree_attention(query.transpose(1, 2).flatten(0, 1), flat_key, flat_value,
                              key_cache, value_cache, caches.block_table, step.trees, scaling,
                              output=out.flatten(0, 1))
@@ -539,8 +534,6 @@ def tree_rows_error(step: Step, query: torch.Tensor, out: torch.Tensor, scale: f
     chain's rows come from SDPA's causal attention, the others from the paged kernel), the
     reference reading the contiguous cache: the paged copy, its block table and the causal
     alignment are all checked by it."""
-    from vllm_retrieval_spec.kernels.tree_attention import tree_attention_reference
-
     row, context, end = step.rows.start, step.start + 1, step.start + step.tokens
     keys, values = (c[0][row].transpose(0, 1) for c in (step.caches.keys, step.caches.values))
     expected = tree_attention_reference(
@@ -623,31 +616,16 @@ class StepCostRun:
 
     def measure(self, model: torch.nn.Module, caches: Caches, shape: str, batch: int,
                 context: int, n: int) -> dict[str, Any]:
+        """One row of a curve: verifying n draft tokens per sequence at this context."""
         plan = self.plan
         parents = chain(n) if shape == "chain" else verify_tree(n)
-        rows = slice(0, batch)
-        step = Step.make(caches, rows, context, 1 + n, parents, plan.device)
-        depths = [0, *node_depths(parents)]
-        positions = context + torch.tensor(depths, device=plan.device).expand(batch, -1)
-        forward = Forward(model, torch.randint(model.config.vocab_size, (batch, 1 + n),
-                                               device=plan.device), positions.contiguous(), step)
+        forward = verify_forward(model, caches, parents, batch, context, plan.device)
         row: dict[str, Any] = {"context_tokens": context, "draft_len": n}
         if shape == "tree":
-            row.update(tree_depth=max(depths), rows_recomputed=n - leading_chain_len(parents))
-        if step.trees is not None and n == max(plan.draft_lens):
-            step.check = []
-            forward()
-            err = step.check[0]
-            step.check = None
-            row.update(tree_rows_max_abs_err=err, tree_rows_ok=err <= TOLERANCE[plan.dtype])
-        if step.trees is not None:
-            from vllm_retrieval_spec.kernels.paged_tree_attention import PagedTreeBuffers
-
-            # The step's PagedTrees as the wrapper builds them, into persistent buffers: host
-            # time, once per step (not in ms_per_step).
-            buffers = PagedTreeBuffers(plan.device)
-            row["trees_build_ms_median"] = median(times_ms(
-                lambda: buffers.load(*step.tree_args), plan.repeats, False))
+            row.update(tree_depth=max(node_depths(parents), default=0),
+                       rows_recomputed=n - leading_chain_len(parents))
+        if forward.step.trees is not None:
+            row.update(tree_rows(forward, plan))
         for _ in range(plan.warmup):
             eager_logits = forward()
         eager = times_ms(forward, plan.repeats, plan.cuda)
@@ -655,12 +633,9 @@ class StepCostRun:
         timed, timing = eager, "eager"
         if shape in self.graph_shapes:
             try:
-                graph, logits = capture(forward, self.pool)
-                graph.replay()
-                row["graph_vs_eager_max_abs"] = float((logits.float()
-                                                       - eager_logits.float()).abs().max())
-                timed, timing = times_ms(graph.replay, plan.repeats, True), "cuda-graph"
-                del graph, logits
+                timed, row["graph_vs_eager_max_abs"] = time_graph(forward, eager_logits,
+                                                                  self.pool, plan.repeats)
+                timing = "cuda-graph"
             except Exception:
                 # A forward that cannot be captured is timed eagerly, and so are the later
                 # ones of its shape (eager_ms_median compares chains with trees then).
@@ -670,6 +645,45 @@ class StepCostRun:
         row.update(ms_per_step_median=median(timed), ms_per_step=[round(t, 4) for t in timed],
                    timing=timing)
         return row
+
+
+def verify_forward(model: torch.nn.Module, caches: Caches, parents: list[int], batch: int,
+                   context: int, device: torch.device) -> Forward:
+    """Sequences 0 .. batch - 1 each verify their root and the draft ``parents`` (a chain or a
+    tree) at cache positions ``context ..``; a node's rotary position is the root's plus its
+    depth, as the tree verifier sets it."""
+    step = Step.make(caches, slice(0, batch), context, 1 + len(parents), parents, device)
+    depths = torch.tensor([0, *node_depths(parents)], device=device)
+    return Forward(model, torch.randint(model.config.vocab_size, (batch, 1 + len(parents)),
+                                        device=device),
+                   (context + depths).expand(batch, -1).contiguous(), step)
+
+
+def tree_rows(forward: Forward, plan: Plan) -> dict[str, Any]:
+    """What a tree step adds beside its forward: the host time of building its PagedTrees as
+    the wrapper does, into persistent buffers (once per step, not in ms_per_step); at the
+    longest draft, layer 0's tree rows against the reference (:func:`tree_rows_error`)."""
+    step = forward.step
+    buffers = PagedTreeBuffers(plan.device)
+    fields: dict[str, Any] = {"trees_build_ms_median": median(times_ms(
+        lambda: buffers.load(*step.tree_args), plan.repeats, False))}
+    if len(step.parents) == max(plan.draft_lens):
+        step.check = []
+        forward()
+        err = step.check[0]
+        step.check = None
+        fields.update(tree_rows_max_abs_err=err, tree_rows_ok=err <= TOLERANCE[plan.dtype])
+    return fields
+
+
+def time_graph(forward: Forward, eager_logits: torch.Tensor, pool: Any,
+               repeats: int) -> tuple[list[float], float]:
+    """Replay times of the forward captured as a CUDA graph, and how far its logits are from
+    the eager forward's (the same kernels on the same inputs: about 0)."""
+    graph, logits = capture(forward, pool)
+    graph.replay()
+    err = float((logits.float() - eager_logits.float()).abs().max())
+    return times_ms(graph.replay, repeats, True), err
 
 
 def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
@@ -691,18 +705,31 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
                 "later: their values change, not the cost. Not in ms_per_step: building the "
                 "step's PagedTrees (once per step, host time: trees_build_ms_median)."),
         models={m.name: asdict(m) for m in plan.models}, dtype=str(plan.dtype),
-        block_size=BLOCK_SIZE, blocks=[], truncated=False, graph_errors={},
+        block_size=BLOCK_SIZE, blocks=[], truncated=False, errors=[], graph_errors={},
         sdpa_flash={m.name: sdpa_flash(m, plan) for m in plan.models})
     run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
                       torch.cuda.graph_pool_handle() if plan.cuda else None)
     with torch.inference_mode():
         for shape in plan.models:
-            if not measure_model(run, shape, save):
+            try:
+                finished = measure_model(run, shape, save)
+            except Exception:
+                # A model that cannot be built or prefilled (memory, say): the next one is.
+                result["errors"].append({"model": shape.name,
+                                         "error": traceback.format_exc()[-3000:]})
+                log(result["errors"][-1]["error"])
+                finished = True
+            # The model and its caches are garbage now; give their memory to the next one.
+            gc.collect()
+            if plan.cuda:
+                torch.cuda.empty_cache()
+            if not finished:
                 result["truncated"] = True
                 break
     checked = [row for block in result["blocks"] for row in block["rows"]
                if "tree_rows_ok" in row]
-    result["ok"] = bool(checked) and all(row["tree_rows_ok"] for row in checked)
+    result["ok"] = (not result["errors"] and bool(checked)
+                    and all(row["tree_rows_ok"] for row in checked))
     if plan.cuda:
         result["clocks_after"] = gpu_clocks()
 
@@ -724,7 +751,9 @@ def sdpa_flash(shape: ModelShape, plan: Plan) -> bool | str:
 
 
 def measure_model(run: StepCostRun, shape: ModelShape, save: Callable[[], None]) -> bool:
-    """Every configuration of one model; False if the deadline stopped it."""
+    """Every configuration of one model; False if the deadline stopped it. A configuration that
+    fails is recorded in ``errors`` and the others are still measured: a device run is one
+    chance."""
     plan = run.plan
     start = time.monotonic()
     model = build_model(shape, plan)
@@ -733,25 +762,28 @@ def measure_model(run: StepCostRun, shape: ModelShape, save: Callable[[], None])
     log(f"{shape.name}: built with caches in {time.monotonic() - start:.1f} s")
     prefill(model, caches, max(plan.contexts), plan)
     log(f"{shape.name}: prefilled in {time.monotonic() - start:.1f} s")
-    try:
-        for batch in plan.batches:
-            for context in plan.contexts:
-                for kind in ("chain", "tree"):
-                    block = run.block(shape.name, kind, batch)
-                    for n in plan.draft_lens:
-                        if time.monotonic() > run.deadline:
-                            return False
+    for batch in plan.batches:
+        for context in plan.contexts:
+            for kind in ("chain", "tree"):
+                block = run.block(shape.name, kind, batch)
+                for n in plan.draft_lens:
+                    if time.monotonic() > run.deadline:
+                        return False
+                    where = {"model": shape.name, "shape": kind, "batch": batch,
+                             "context_tokens": context, "draft_len": n}
+                    try:
                         row = run.measure(model, caches, kind, batch, context, n)
-                        block["rows"].append(row)
-                        log(f"{shape.name} {kind} batch {batch} context {context} n {n}: "
-                            f"{row['ms_per_step_median']} ms ({row['timing']}), eager "
-                            f"{row['eager_ms_median']} ms")
-                save()
-        return True
-    finally:
-        del model, caches
-        if plan.cuda:
-            torch.cuda.empty_cache()
+                    except Exception:
+                        run.result["errors"].append({**where,
+                                                     "error": traceback.format_exc()[-1500:]})
+                        log(f"{where}: {run.result['errors'][-1]['error']}")
+                        continue
+                    block["rows"].append(row)
+                    log(f"{shape.name} {kind} batch {batch} context {context} n {n}: "
+                        f"{row['ms_per_step_median']} ms ({row['timing']}), eager "
+                        f"{row['eager_ms_median']} ms")
+            save()
+    return True
 
 
 def prefill(model: torch.nn.Module, caches: Caches, context: int, plan: Plan) -> None:
@@ -799,8 +831,9 @@ def _check_lines(checks: list[dict[str, Any]]) -> list[str]:
 
 
 def _step_cost_lines(section: dict[str, Any]) -> list[str]:
-    lines = [f"truncated: {section['truncated']}. {section['timing']}", "", section["method"],
-             ""]
+    lines = [f"truncated: {section['truncated']}; {len(section['errors'])} configurations or "
+             f"models failed (`errors` in the JSON). {section['timing']}", "",
+             section["method"], ""]
     curves: dict[tuple[str, int], dict[tuple[int, int, str], float]] = {}
     for block in section["blocks"]:
         table = curves.setdefault((block["model"], block["batch"]), {})

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,11 @@ import pytest
 from benchmarks.gpu_check import (
     TINY_PLAN,
     Report,
+    StepCostRun,
     leading_chain_len,
     main,
     node_depths,
+    step_cost_section,
     verify_tree,
 )
 from vllm_retrieval_spec.verification import core
@@ -57,6 +60,34 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
     assert sections["first"]["ok"] is False and "RuntimeError: boom" in sections["first"]["error"]
     assert sections["second"]["ok"] is True and not report.ok
     assert "boom" in (tmp_path / "r.md").read_text()
+
+
+def test_a_failing_configuration_is_recorded_and_the_others_measured(monkeypatch):
+    pytest.importorskip("transformers")
+
+    def measure(self, model, caches, shape, batch, context, n):
+        if n == 2:
+            raise RuntimeError("out of memory")
+        return {"context_tokens": context, "draft_len": n, "ms_per_step_median": 1.0,
+                "ms_per_step": [1.0], "eager_ms_median": 1.0, "timing": "eager"}
+
+    monkeypatch.setattr(StepCostRun, "measure", measure)
+    result = {}
+    step_cost_section(TINY_PLAN, time.monotonic() + 600, result, lambda: None)
+    # 2 batches x 2 contexts x 2 shapes failed at n = 2; every other length was measured.
+    assert len(result["errors"]) == 8 and result["ok"] is False
+    assert all("out of memory" in e["error"] and e["draft_len"] == 2 for e in result["errors"])
+    assert all([r["draft_len"] for r in b["rows"]] == [0, 1, 4, 0, 1, 4]
+               for b in result["blocks"])
+    assert result["truncated"] is False
+
+
+def test_the_deadline_stops_the_step_cost_loop():
+    pytest.importorskip("transformers")
+    result = {}
+    step_cost_section(TINY_PLAN, time.monotonic(), result, lambda: None)
+    assert result["truncated"] is True and result["ok"] is False
+    assert all(not b["rows"] for b in result["blocks"])
 
 
 @pytest.fixture(scope="module")
