@@ -47,6 +47,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from benchmarks.kernel_timing import chain, retrieval_tree
+from vllm_retrieval_spec.kernels.launch import interpreting
 from vllm_retrieval_spec.kernels.paged_tree_attention import (
     PagedTreeBuffers,
     paged_tree_attention,
@@ -175,8 +176,12 @@ class Report:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(self) -> None:
-        self.path.write_text(json.dumps(self.result, indent=1) + "\n")
-        self.path.with_suffix(".md").write_text(markdown(self.result))
+        # Whole files only, even if a timeout kills the run while it writes.
+        for path, text in ((self.path, json.dumps(self.result, indent=1) + "\n"),
+                           (self.path.with_suffix(".md"), markdown(self.result))):
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text(text)
+            partial.replace(path)
 
     def section(self, name: str, measure: Callable[[dict[str, Any], Callable[[], None]], None]
                 ) -> None:
@@ -274,7 +279,7 @@ def check(kernel: str, case: str, err: float, tolerance: float, **fields: Any) -
 # --- Section: kernels against their references ---------------------------------------------
 
 
-def kernels_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) -> None:
+def kernels_section(plan: Plan, result: dict[str, Any]) -> None:
     g = torch.Generator(device=plan.device).manual_seed(0)
     trees = {"chain-16": chain(16), "verify-64": verify_tree(64),
              "retrieval-64": retrieval_tree(64), "retrieval-128": retrieval_tree(128, roots=8)}
@@ -400,7 +405,7 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
 # --- Section: stream safety ----------------------------------------------------------------
 
 
-def stream_safety_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) -> None:
+def stream_safety_section(plan: Plan, result: dict[str, Any]) -> None:
     try:
         from benchmarks import stream_safety
     except ModuleNotFoundError as e:
@@ -909,8 +914,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None) -> int:
-    from vllm_retrieval_spec.kernels.launch import interpreting
-
     start = time.monotonic()
     if not plan.cuda and not interpreting():
         raise SystemExit("--tiny runs the kernels under TRITON_INTERPRET=1, which was not in "
@@ -922,9 +925,9 @@ def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None) ->
                              *(sys.argv[1:] if argv is None else argv)]),
         "tiny": not plan.cuda, "device": device_info(plan)})
     log(json.dumps(report.result["device"]))
-    report.section("kernels", lambda r, save: kernels_section(plan, r, save))
+    report.section("kernels", lambda r, save: kernels_section(plan, r))
     report.section("paged_kernel", lambda r, save: paged_section(plan, r, save))
-    report.section("stream_safety", lambda r, save: stream_safety_section(plan, r, save))
+    report.section("stream_safety", lambda r, save: stream_safety_section(plan, r))
     report.section("step_cost", lambda r, save: step_cost_section(plan, start + time_limit,
                                                                   r, save))
     report.result["seconds"] = round(time.monotonic() - start, 1)

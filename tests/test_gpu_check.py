@@ -60,6 +60,7 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
     assert sections["first"]["ok"] is False and "RuntimeError: boom" in sections["first"]["error"]
     assert sections["second"]["ok"] is True and not report.ok
     assert "boom" in (tmp_path / "r.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
 
 
 def test_a_failing_configuration_is_recorded_and_the_others_measured(monkeypatch):
