@@ -27,11 +27,16 @@ class Projection:
     def __call__(self, states: Any) -> np.ndarray:
         """Unit rows float32 [B, d] for a [B, H] torch tensor of any float dtype (on any device:
         the fused Triton kernel on GPU, the torch reference on CPU)."""
+        return self.on_device(states).cpu().numpy()
+
+    def on_device(self, states: Any) -> Any:
+        """The unit rows left on the states' device, for a caller that copies them to the host
+        itself (``drafting.streams``)."""
         from vllm_retrieval_spec.kernels.projection import project
 
-        return project(states, *self._on_device(states.device)).cpu().numpy()
+        return project(states, *self._parameters(states.device))
 
-    def _on_device(self, device: Any) -> tuple[Any, Any, Any]:
+    def _parameters(self, device: Any) -> tuple[Any, Any, Any]:
         # Converted once per device: every decoding step projects.
         cache = self.__dict__.setdefault("_device_params", {})
         if device not in cache:

@@ -7,7 +7,6 @@ trie, weighted by similarity, and the best-supported chain is drafted.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from vllm_retrieval_spec.drafting.streams import AheadProjection, Handed
 from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
 from vllm_retrieval_spec.drafting.trie import TrieDrafter
 from vllm_retrieval_spec.sources.dense import (
-    DenseSource, matching_continuations, project_last_states, project_on_device)
+    DenseSource, matching_continuations, project_last_states)
 
 #: (neighbours [m, top_n], similarities [m, top_n], ns spent searching)
 Searched = tuple[np.ndarray, np.ndarray, int]
@@ -57,7 +56,7 @@ class DenseSearches:
         self.disable_by_batch_size = disable_by_batch_size
         self.report = report
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dresd-search")
-        self.projector = AheadProjection(functools.partial(project_on_device, index.projection))
+        self.projector = AheadProjection(index.projection.on_device)
         #: This step's searches (futures until first consumed) and each batch row's
         #: (chunk, row within chunk).
         self.chunks: list[Future | Searched] = []

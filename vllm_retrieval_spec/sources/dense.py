@@ -64,15 +64,6 @@ def project_last_states(projection: Projection, states: Any,
     return projection(states[[rows[i] for i in valid]]), valid
 
 
-def project_on_device(projection: Projection, states: Any) -> Any:
-    """``projection(states)`` left on the states' device: float32 unit rows [B, d], for a caller
-    that copies them to the host itself (``drafting.streams``)."""
-    from vllm_retrieval_spec.kernels.projection import project
-
-    # The projection's own copy of its statistics on that device, made once for both paths.
-    return project(states, *projection._on_device(states.device))
-
-
 def searched(index: DenseIndex, query: np.ndarray | None,
              top_n: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The ``top_n`` neighbours of one ``query`` (a projected state) and their similarities,
