@@ -102,3 +102,53 @@ def test_hybrid_needs_a_datastore_only_without_a_served_store():
         parse_speculative_config({**hybrid, "dense": "on"}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'served_max_tokens'\]=0 is out of range"):
         parse_speculative_config({**hybrid, "served_max_tokens": 0}, VLLM_CPU_DEFAULTS)
+
+
+# ------------------------------------------------- start-up checks against the served model
+
+@pytest.fixture
+def model_config(tmp_path):
+    """What ``validate_against_model`` reads of vLLM's model config: a tokenizer on disk."""
+    from types import SimpleNamespace
+
+    from helpers import make_tokenizer
+
+    make_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    return SimpleNamespace(tokenizer=str(tmp_path / "tokenizer"), tokenizer_revision=None,
+                           trust_remote_code=False)
+
+
+def served_config(directory):
+    return parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 8,
+                                     "served_datastore": str(directory)}, VLLM_CPU_DEFAULTS)
+
+
+def test_a_served_store_of_another_tokenizer_fails_in_the_front_end(model_config, tmp_path):
+    from vllm_retrieval_spec.config.model import validate_against_model
+    from vllm_retrieval_spec.datastore import DatastoreError
+    from vllm_retrieval_spec.datastore.journal import TokenizerFacts, store_facts
+
+    directory = tmp_path / "served"
+    # Nothing there yet, or a directory this model's replicas wrote: it starts.
+    validate_against_model(served_config(directory), model_config)
+    directory.mkdir()
+    store_facts(directory, TokenizerFacts("other-model", "0" * 64, 1000))
+    with pytest.raises(DatastoreError, match=r"holds tokens of another tokenizer \('other-model', "
+                                             r"fingerprint 0+; the model's is [0-9a-f]{64}\): "
+                                             r"give this model a directory of its own"):
+        validate_against_model(served_config(directory), model_config)
+
+
+def test_a_store_saved_before_the_journal_of_another_tokenizer_fails_in_the_front_end(
+        model_config, tmp_path):
+    from vllm_retrieval_spec.config.model import validate_against_model
+    from vllm_retrieval_spec.datastore import DatastoreError
+    from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
+
+    directory = tmp_path / "served"
+    build_datastore_from_token_ids([[1, 2, 3]], directory, tokenizer_name="other-model",
+                                   tokenizer_fingerprint="0" * 64, vocab_size=1000,
+                                   progress=False)
+    with pytest.raises(DatastoreError, match=r"was built with another tokenizer: it records "
+                                             r"tokenizer 'other-model'"):
+        validate_against_model(served_config(directory), model_config)

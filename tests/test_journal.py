@@ -311,3 +311,47 @@ def test_the_lock_is_taken_over_once_its_lease_ran_out(tmp_path):
     assert (tmp_path / "compact.lock").read_text() == "b"
     taker.release()
     assert not (tmp_path / "compact.lock").exists()
+
+
+# --------------------------------------------------------- a store saved before the journal
+
+def save_legacy(path, documents, fingerprint=TOKENIZER.fingerprint) -> None:
+    """What the version before the journal saved: the store as a datastore at the root."""
+    from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
+
+    build_datastore_from_token_ids(documents, path, tokenizer_name="t",
+                                   tokenizer_fingerprint=fingerprint, vocab_size=1000,
+                                   overwrite=True, progress=False)
+
+
+def test_a_store_saved_before_the_journal_is_adopted_once_as_the_first_snapshot(tmp_path):
+    save_legacy(tmp_path, [[1, 1], [2, 2, 2]])
+    a = replica(tmp_path, "h-1-a")
+    assert stored(a) == [[1, 1], [2, 2, 2]]
+    # Its files are gone: the snapshot holds its requests, and nothing adopts them twice.
+    assert not (tmp_path / "manifest.json").exists() and not (tmp_path / "tokens.npy").exists()
+    assert [p.name for p in list_snapshots(tmp_path)] == ["snapshot-0000000001-h-1-a"]
+    serve(a, "3", [3, 3])
+    a.writer.flush()
+    b = replica(tmp_path, "h-2-b")
+    assert stored(b) == [[1, 1], [2, 2, 2], [3, 3]]
+
+
+def test_adoption_cut_off_after_the_snapshot_finishes_at_the_next_start(tmp_path):
+    save_legacy(tmp_path, [[1, 1]])
+    replica(tmp_path, "h-1-a")
+    # The legacy files again beside the snapshot, as if removing them had been cut off.
+    save_legacy(tmp_path / "again", [[1, 1]])
+    for file in (tmp_path / "again").iterdir():
+        file.rename(tmp_path / file.name)
+    b = replica(tmp_path, "h-2-b")
+    assert stored(b) == [[1, 1]]
+    assert not (tmp_path / "manifest.json").exists()
+    assert len(list_snapshots(tmp_path)) == 1
+
+
+def test_a_legacy_store_of_another_tokenizer_is_refused(tmp_path):
+    save_legacy(tmp_path, [[1, 1]], fingerprint="0" * 64)
+    with pytest.raises(DatastoreError, match="another tokenizer"):
+        replica(tmp_path, "h-1-a")
+    assert (tmp_path / "manifest.json").exists()

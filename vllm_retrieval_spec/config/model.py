@@ -19,14 +19,11 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
             raise ConfigError(
                 f"speculative_config['layer']={config.layer} is out of range for this model: "
                 f"it has {depth} layers, so the layer must be in [0, {depth}]")
-    from vllm_retrieval_spec.datastore.format import MANIFEST_FILE
-
     store = getattr(config, "store", None)
     datastore = store.datastore if store is not None else ""
     verify = store.verify_checksums if store is not None else True
     served = config.served.served_datastore if isinstance(config, HybridConfig) else ""
-    saved = bool(served) and (Path(served) / MANIFEST_FILE).is_file()
-    if not datastore and not saved:
+    if not datastore and not (served and Path(served).is_dir()):
         return
     from transformers import AutoTokenizer
 
@@ -41,20 +38,21 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
     )
     fingerprint = tokenizer_fingerprint(tokenizer)
 
-    def check(path: str, dense: bool) -> None:
-        if dense:
-            # Its keys are hidden states: they must be this model's, in this dtype.
-            check_dense_index(
-                path, expected_tokenizer_fingerprint=fingerprint,
-                hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
-                expected_model_fingerprint=model_fingerprint(model_config.model),
-                verify_checksums=verify)
-        else:
-            # Tokens of another tokenizer would draft nonsense, or ids outside the vocabulary.
-            load_datastore(path, expected_fingerprint=fingerprint, verify_checksums=verify)
+    if served:
+        from vllm_retrieval_spec.datastore.served_saver import check_served_directory
 
-    if saved:
-        check(served, config.served_dense.served_dense and dense_index_in_use(served, "auto"))
-    if datastore:
-        check(datastore, isinstance(config, DresdConfig) or (
-            isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense.dense)))
+        # Here rather than in the worker: the engine would start before the replica refused.
+        check_served_directory(Path(served), fingerprint, verify_checksums=verify)
+    if not datastore:
+        return
+    if isinstance(config, DresdConfig) or (
+            isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense.dense)):
+        # Its keys are hidden states: they must be this model's, in this dtype.
+        check_dense_index(
+            datastore, expected_tokenizer_fingerprint=fingerprint,
+            hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
+            expected_model_fingerprint=model_fingerprint(model_config.model),
+            verify_checksums=verify)
+    else:
+        # Tokens of another tokenizer would draft nonsense, or ids outside the vocabulary.
+        load_datastore(datastore, expected_fingerprint=fingerprint, verify_checksums=verify)

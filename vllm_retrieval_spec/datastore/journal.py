@@ -545,9 +545,17 @@ def store_facts(directory: Path, tokenizer: TokenizerFacts) -> StoreFacts:
             staged.unlink()
         fsync_directory(directory)
     facts = read_store_facts(directory)
-    if facts.tokenizer.fingerprint != tokenizer.fingerprint:
+    check_tokenizer(directory, facts.tokenizer, tokenizer.fingerprint)
+    return facts
+
+
+def check_tokenizer(directory: Path, recorded: TokenizerFacts, fingerprint: str) -> None:
+    """Refuse a directory of another tokenizer's tokens: they would draft nonsense, or ids
+    outside the vocabulary (the front-end checks at start-up, each replica again)."""
+    from vllm_retrieval_spec.datastore.format import DatastoreError
+
+    if recorded.fingerprint != fingerprint:
         raise DatastoreError(
             f"served store {directory} holds tokens of another tokenizer "
-            f"({facts.tokenizer.name!r}, fingerprint {facts.tokenizer.fingerprint}; the model's "
-            f"is {tokenizer.fingerprint}): give this model a directory of its own")
-    return facts
+            f"({recorded.name!r}, fingerprint {recorded.fingerprint}; the model's "
+            f"is {fingerprint}): give this model a directory of its own")

@@ -33,12 +33,13 @@ import numpy as np
 from vllm_retrieval_spec.atomic import atomic_path
 from vllm_retrieval_spec.datastore.dense import DENSE_DIR
 from vllm_retrieval_spec.datastore.format import (
-    SEPARATOR, DatastoreError, file_sha256, load_datastore)
+    MANIFEST_FILE, SEPARATOR, DatastoreError, file_sha256, load_datastore)
 from vllm_retrieval_spec.datastore.journal import (
-    DIR_MODE, FILE_MODE, NO_KEY, REPLICA, SETTLE_S, CompactionLock, JournalReader,
-    JournalWriter, PurgeRules, Record, TokenizerFacts, doc_id, fsync_directory, key_digest, list_segments,
-    new_replica_id, now_ms, purge_files, read_purges, remove_stale_temporaries, stale_segment,
-    read_store_facts, store_facts, this_host, write_purge)
+    DIR_MODE, FILE_MODE, NO_KEY, REPLICA, SETTLE_S, STORE_FILE, CompactionLock, JournalReader,
+    JournalWriter, PurgeRules, Record, TokenizerFacts, check_tokenizer, doc_id, fsync_directory,
+    key_digest, list_segments, new_replica_id, now_ms, purge_files, read_purges,
+    remove_stale_temporaries, stale_segment, read_store_facts, store_facts, this_host,
+    write_purge)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_dense import (
     ModelFacts, ServedDenseStore, document_starts)
@@ -181,6 +182,81 @@ def read_snapshot(path: Path, fingerprint: str) -> Snapshot:
     return Snapshot(path, {str(k): int(v) for k, v in served["segments"].items()}, entries)
 
 
+def check_served_directory(path: Path, fingerprint: str, *,
+                           verify_checksums: bool = True) -> None:
+    """The front-end's start-up check of a ``served_datastore`` directory: the tokens it holds
+    (``store.json``, or a store saved before the journal) are of the tokenizer ``fingerprint``.
+    A directory that does not exist yet, or holds nothing, passes."""
+    if (path / STORE_FILE).is_file():
+        check_tokenizer(path, read_store_facts(path).tokenizer, fingerprint)
+    if (path / MANIFEST_FILE).is_file():
+        load_datastore(path, expected_fingerprint=fingerprint, verify_checksums=verify_checksums)
+
+
+#: The requests of a store saved before the journal: its own document ids.
+LEGACY_REPLICA = "legacy"
+#: How long a replica waits for another that is adopting a legacy store (or compacting).
+ADOPT_WAIT_S = LEASE_S
+
+
+def adopt_legacy_store(directory: Path, tokenizer: TokenizerFacts, replica: str) -> int:
+    """A store saved by the version before the journal (a datastore at the directory's root:
+    ``manifest.json``, ``tokens.npy`` ...) becomes the directory's first snapshot, once, under
+    the compaction lock; then its files go (the snapshot holds its requests). Returns the
+    requests adopted. Its dense keys are not adopted: new traffic fits them again."""
+    if not (directory / MANIFEST_FILE).is_file():
+        return 0
+    lock = CompactionLock(directory, replica, LEASE_S)
+    adopted = 0
+    deadline = time.monotonic() + ADOPT_WAIT_S
+    # A snapshot next to the legacy files: a replica adopted them and died before removing
+    # them (the journal's version never writes a datastore at the root).
+    while not list_snapshots(directory):
+        if lock.acquire():
+            try:
+                if not list_snapshots(directory):
+                    adopted = _write_legacy_snapshot(directory, tokenizer, replica)
+            finally:
+                lock.release()
+            break
+        if time.monotonic() > deadline:
+            raise DatastoreError(f"served store {directory}: {lock.path} has been held for "
+                                 f"{ADOPT_WAIT_S:.0f} s while its saved store waits to be adopted")
+        time.sleep(1.0)
+    _remove_legacy_files(directory)
+    return adopted
+
+
+def _write_legacy_snapshot(directory: Path, tokenizer: TokenizerFacts, replica: str) -> int:
+    datastore = load_datastore(directory, expected_fingerprint=tokenizer.fingerprint)
+    tokens = np.asarray(datastore.tokens)
+    ends = np.flatnonzero(tokens == SEPARATOR)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    # When they finished is not recorded: the last save is the latest it can be, so retention
+    # keeps them no longer than it would have.
+    saved_ms = int(1000 * (directory / MANIFEST_FILE).stat().st_mtime)
+    entries = [Entry(NO_KEY, doc_id(LEGACY_REPLICA, str(i)), saved_ms, tokens[start:end])
+               for i, (start, end) in enumerate(zip(starts, ends))]
+    write_snapshot(directory / f"snapshot-{1:010d}-{replica}", entries, {}, tokenizer)
+    logger.info("served store %s: adopted the %d requests saved before the journal as its "
+                "first snapshot", directory, len(entries))
+    return len(entries)
+
+
+def _remove_legacy_files(directory: Path) -> None:
+    """The legacy datastore's files, its manifest last (a start-up cut off here finishes)."""
+    manifest = directory / MANIFEST_FILE
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except FileNotFoundError:
+        return
+    for name in files:
+        (directory / name).unlink(missing_ok=True)
+    shutil.rmtree(directory / DENSE_DIR, ignore_errors=True)
+    manifest.unlink(missing_ok=True)
+    fsync_directory(directory)
+
+
 class ServedDirectory:
     """The served stores (``stores``: the shared store, or the stores by key digest) backed by
     a ``served_datastore`` directory shared with other replicas.
@@ -207,6 +283,7 @@ class ServedDirectory:
             logger.info("served store: removed what cut-off writes left in %s: %s", self.path,
                         ", ".join(removed))
         self.salt = store_facts(self.path, tokenizer).salt
+        adopt_legacy_store(self.path, tokenizer, self.replica)
         self._purge_names = [p.name for p in purge_files(self.path)]
         self.purges = read_purges(purge_files(self.path))
         #: Bumped by every change to the stores: a replica with nothing new writes no snapshot.
