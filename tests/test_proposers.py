@@ -199,6 +199,12 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
         assert proposer.method.learning.shared.wait_indexed()
         assert proposer.stats()["served_store_tokens"] == 12  # prompt and output
         assert proposer.propose([[11]], lengths, tokens) == [[12, 13, 14, 15]]
+        proposer.after_handover()
+        from prometheus_client import REGISTRY
+
+        # The soak test reads the store's size from /metrics (bounded by served_max_tokens).
+        assert REGISTRY.get_sample_value("vllm_rsd:served_store_tokens",
+                                         {"method": "hybrid"}) == 12
     finally:
         proposer.close()
     # "b" never left a batch; closing stored and journaled it.

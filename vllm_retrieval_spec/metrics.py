@@ -105,7 +105,7 @@ _metrics: dict[str, object] = {}
 def _prometheus_metrics() -> dict[str, object]:
     """Create the metric families once per process (prometheus_client refuses duplicates)."""
     if not _metrics:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         p = PROMETHEUS_PREFIX
         _metrics.update(
@@ -131,5 +131,15 @@ def _prometheus_metrics() -> dict[str, object]:
                                   ["method"]),
             target_forwards=Counter(p + "target_forwards",
                                     "Target-model forwards, counted per request", ["method"]),
+            # One series per drafting process ("all" adds its pid): each engine is a replica
+            # with a store and bounds of its own.
+            served_store_tokens=Gauge(p + "served_store_tokens",
+                                      "Tokens in the served store (all keys), at the last step",
+                                      ["method"], multiprocess_mode="all"),
         )
     return _metrics
+
+
+def served_store_tokens_gauge(method: str) -> object:
+    """The served store's size, set by the method that keeps one."""
+    return _prometheus_metrics()["served_store_tokens"].labels(method)

@@ -29,6 +29,7 @@ from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepte
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
 from vllm_retrieval_spec.drafting.trie import TrieDrafter
+from vllm_retrieval_spec.metrics import served_store_tokens_gauge
 from vllm_retrieval_spec.sources.base import Gated, Vote
 from vllm_retrieval_spec.sources.context import ContextSource, LastTokenBranches
 from vllm_retrieval_spec.sources.dense import (
@@ -116,6 +117,7 @@ class ServedLearning:
         self.requests: ServedRequests | None = ServedRequests(
             self.keyed or self.shared, options.served_prompts, self.dense,
             self.directory.record if self.directory is not None else None)
+        self.tokens_gauge = served_store_tokens_gauge(config.method)
         #: Each batch row's key and store this step (``per_request``).
         self.row_keys: list[str | None] = []
         self.row_stores: list[ServedStore | None] = []
@@ -146,6 +148,7 @@ class ServedLearning:
             self.row_stores = [self.keyed.get(key) for key in self.row_keys]
 
     def settle(self) -> None:
+        self.tokens_gauge.set((self.keyed or self.shared).num_tokens)
         ready, self.deferred = self.deferred, None
         if ready:
             self.requests.observe(
