@@ -36,9 +36,11 @@ def vllm_config(options: dict, max_model_len: int = 64, hidden_size: int = 16):
     """What a proposer reads of vLLM's config, for the method ``options`` describe."""
     from vllm_retrieval_spec.config import PLUGIN_KEY, VLLM_CPU_DEFAULTS, parse_speculative_config
 
-    # No padding unless a test asks for it: it follows this machine's step times
-    # (tests/test_step_cost.py drives it with a clock of its own).
-    config = parse_speculative_config({"pad_drafts": False, **options}, VLLM_CPU_DEFAULTS)
+    # No padding and no time budget unless a test asks for them: both follow this machine's
+    # timings (tests/test_step_cost.py drives padding with a clock of its own), and a busy
+    # machine must not change what a test drafts.
+    config = parse_speculative_config({"pad_drafts": False, "draft_budget_ms": 0, **options},
+                                      VLLM_CPU_DEFAULTS)
     return SimpleNamespace(
         additional_config={PLUGIN_KEY: config.to_dict()},
         speculative_config=SimpleNamespace(
