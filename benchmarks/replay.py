@@ -15,6 +15,10 @@ One JSON line per task and config; ``{"method": "suffix"}`` and ``{"method": "ng
 vLLM's own methods (``benchmarks.peers``).
 Each task's records are served in file order, ``--batch`` at a time, by a fresh drafter; a
 request is finished once it leaves the batch, so a served store learns as in the engine.
+``--replicas 1,2,4,8`` deals them round-robin to a fleet of that many drafters of each config:
+hybrid's replicas share one ``served_datastore`` (each drafts from every replica's finished
+requests, through the journals), vLLM's ``suffix`` learns from its own replica's only.
+``--run-name`` also writes the lines as results (``docs/results-schema.md``).
 
 Where replay is not the engine:
 - Time is simulated: a step takes the time of the draft length it verified, measured
@@ -36,9 +40,11 @@ import argparse
 import importlib
 import itertools
 import json
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,13 +52,18 @@ import numpy as np
 
 from benchmarks.hidden_states import TransformersStates
 from benchmarks.peers import NgramPeer, SuffixPeer
+from vllm_retrieval_spec.bench.report import (
+    markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.config import (
     ACCELERATOR_DEFAULTS, PLUGIN_KEY, VLLM_CPU_DEFAULTS, MethodConfig, PlatformDefaults,
     parse_speculative_config)
+from vllm_retrieval_spec.datastore.journal import TokenizerFacts
+from vllm_retrieval_spec.datastore.served_saver import ServedDirectory
 from vllm_retrieval_spec.drafting.overlap import last_state_rows
 from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.hidden_states import accepted_state_segments
+from vllm_retrieval_spec.proposers.hybrid import HybridDrafter
 from vllm_retrieval_spec.verification.core import greedy_tree_walk, is_chain, tree_depths
 
 #: The engine's context length unless a record needs more (SmolLM2's).
@@ -230,20 +241,32 @@ class Replay:
         self.draft_ns: list[int] = []
         #: Whether requests left the batch after the last step.
         self.left = False
+        self.waiting: deque[tuple[int, dict[str, Any]]] = deque()
+        self.running: list[Request] = []
 
     def run(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Serve ``records`` in order, ``batch`` at a time; a summary of the steps."""
-        waiting = deque(enumerate(records))
-        batch: list[Request] = []
-        while waiting or batch:
-            while len(batch) < self.batch and waiting:
-                n, record = waiting.popleft()
-                sequence = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
-                batch.append(Request(str(n), record, sequence))
-            self.step(batch)
-            running = [r for r in batch if r.done < len(r.record["output"])]
-            self.left, batch = len(running) < len(batch), running
+        self.serve(list(enumerate(records)))
+        while self.advance():
+            pass
         return self.summary()
+
+    def serve(self, numbered: list[tuple[int, dict[str, Any]]]) -> None:
+        """Queue (request number, record) pairs; the number is the request's id."""
+        self.waiting.extend(numbered)
+
+    def advance(self) -> bool:
+        """One step of the queued requests, ``batch`` at a time; False once none is left."""
+        while len(self.running) < self.batch and self.waiting:
+            n, record = self.waiting.popleft()
+            sequence = np.asarray(record["prompt"] + record["output"], dtype=np.int32)
+            self.running.append(Request(str(n), record, sequence))
+        if not self.running:
+            return False
+        self.step(self.running)
+        running = [r for r in self.running if r.done < len(r.record["output"])]
+        self.left, self.running = len(running) < len(self.running), running
+        return True
 
     def step(self, batch: list[Request]) -> None:
         """A forward verifying each request's last draft (or its prefill), then the drafter's
@@ -330,47 +353,137 @@ class Replay:
         return [self.states_at(batch, computed, layer)], segments
 
     def summary(self) -> dict[str, Any]:
-        """``modeled_speedup``: output tokens over the forwards' summed cost where the step
-        costs are measured; else tokens per forward / (1 + ``draft_token_cost`` x mean draft
-        length), as long weak drafts lose time."""
-        tokens_per_forward = self.output_tokens / max(self.forwards, 1)
-        mean_draft_len = self.drafted / max(self.decode_steps, 1)
-        modeled = self.output_tokens / max(self.cost, 1e-9) if self.costs.curve is not None \
-            else tokens_per_forward / (1 + self.costs.draft_token_cost * mean_draft_len)
-        us = np.asarray(self.draft_ns or [0]) / 1e3
-        # Counters only: the step times are simulated.
-        stats = {k: v for k, v in self.drafter.stats().items()
-                 if not (k.startswith("step_ms") or k.endswith("_ns"))}
-        return {"modeled_speedup": round(modeled, 3),
-                "tokens_per_forward": round(tokens_per_forward, 3),
-                "mean_draft_len": round(mean_draft_len, 2),
-                "draft_us_p50": round(float(np.percentile(us, 50)), 1),
-                "draft_us_p99": round(float(np.percentile(us, 99)), 1),
-                **({"stats": stats} if stats else {})}
+        return summarize([self], [self.counters()])
+
+    def counters(self) -> dict[str, Any]:
+        """The drafter's counters only: its step times are simulated."""
+        return {k: v for k, v in self.drafter.stats().items()
+                if not (k.startswith("step_ms") or k.endswith("_ns"))}
+
+
+def summarize(runs: list[Replay], counters: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs' steps together (a fleet's replicas: one run each) and their drafters'
+    ``counters``, summed. ``modeled_speedup``: output tokens over the forwards' summed cost where
+    the step costs are measured; else tokens per forward / (1 + ``draft_token_cost`` x mean
+    draft length), as long weak drafts lose time."""
+    output_tokens = sum(run.output_tokens for run in runs)
+    forwards = sum(run.forwards for run in runs)
+    tokens_per_forward = output_tokens / max(forwards, 1)
+    mean_draft_len = sum(run.drafted for run in runs) / max(sum(r.decode_steps for r in runs), 1)
+    costs = runs[0].costs
+    modeled = output_tokens / max(sum(run.cost for run in runs), 1e-9) \
+        if costs.curve is not None \
+        else tokens_per_forward / (1 + costs.draft_token_cost * mean_draft_len)
+    us = np.asarray([ns for run in runs for ns in run.draft_ns] or [0]) / 1e3
+    stats: dict[str, Any] = {}
+    for counts in counters:
+        for name, value in counts.items():
+            stats[name] = stats.get(name, 0) + value
+    return {"modeled_speedup": round(modeled, 3),
+            "tokens_per_forward": round(tokens_per_forward, 3),
+            "mean_draft_len": round(mean_draft_len, 2),
+            "draft_us_p50": round(float(np.percentile(us, 50)), 1),
+            "draft_us_p99": round(float(np.percentile(us, 99)), 1),
+            **({"stats": stats} if stats else {})}
+
+
+def make_drafter(options: dict[str, Any], platform: PlatformDefaults, states: Any,
+                 max_model_len: int) -> tuple[Any, float]:
+    """The drafter ``options`` name (vLLM's own for ``suffix`` and ``ngram``) and the
+    ``draft_token_cost`` its steps are modelled at."""
+    peer = {"suffix": SuffixPeer, "ngram": NgramPeer}.get(options.get("method"))
+    if peer is not None:
+        return peer({k: v for k, v in options.items() if k != "method"}, max_model_len), \
+            platform.draft_token_cost
+    proposer = build_proposer(options, platform, states, max_model_len)
+    return proposer, proposer.config.drafting.draft_token_cost
 
 
 def replay_config(options: dict[str, Any], records: list[dict[str, Any]],
                   platform: PlatformDefaults, states: TransformersStates | None = None,
                   verify_cost: str | None = None, batch: int = 1,
-                  tree_verify_cost: str | None = None) -> dict[str, Any]:
-    """One config over ``records`` with a fresh drafter; its summary."""
+                  tree_verify_cost: str | None = None, replicas: int = 1) -> dict[str, Any]:
+    """One config over ``records`` with fresh drafters, the records dealt round-robin to
+    ``replicas`` of them (``replay_fleet``); their summary."""
     max_model_len = max([MAX_MODEL_LEN] + [len(r["prompt"]) + len(r["output"]) + 1
                                            for r in records])
-    peer = {"suffix": SuffixPeer, "ngram": NgramPeer}.get(options.get("method"))
-    if peer is not None:
-        drafter: Any = peer({k: v for k, v in options.items() if k != "method"},
-                            max_model_len)
-        draft_token_cost = platform.draft_token_cost
-    else:
-        drafter = build_proposer(options, platform, states, max_model_len)
-        draft_token_cost = drafter.config.drafting.draft_token_cost
-    curve = measured_step_costs(verify_cost, drafter.k) if verify_cost else None
-    tree_curve = measured_step_costs(tree_verify_cost, drafter.k) if tree_verify_cost else None
+    drafters: list[Any] = []
     try:
-        return Replay(drafter, StepCosts(draft_token_cost, curve, tree_curve), states,
-                      batch).run(records)
+        for _ in range(replicas):
+            drafter, draft_token_cost = make_drafter(options, platform, states, max_model_len)
+            drafters.append(drafter)
+    except BaseException:
+        for drafter in drafters:
+            drafter.close()
+        raise
+    k = drafters[0].k
+    costs = StepCosts(draft_token_cost,
+                      measured_step_costs(verify_cost, k) if verify_cost else None,
+                      measured_step_costs(tree_verify_cost, k) if tree_verify_cost else None)
+    with tempfile.TemporaryDirectory(prefix="replay-fleet-") as shared:
+        return replay_fleet([Replay(d, costs, states, batch) for d in drafters], records,
+                            Path(shared))
+
+
+#: A fleet's journals in replay hold the records' token ids; no tokenizer to name.
+REPLAY_TOKENIZER = TokenizerFacts("replay", "replay", 2**31 - 1)
+
+
+def join_fleet(drafter: Any, directory: Path, replica: str) -> ServedDirectory | None:
+    """The journal a replica keeps in the ``served_datastore`` its fleet shares (``directory``):
+    every request its served store keeps is appended to it, and ``sync`` stores the other
+    replicas' from theirs. The engine's own code (``ServedDirectory``) without its threads:
+    the fleet flushes and reads between steps, so that runs repeat. None for a drafter without
+    a served store (vLLM's ``suffix`` learns only from what its own replica serves)."""
+    method = getattr(drafter, "method", None)
+    learning = method.learning if isinstance(method, HybridDrafter) else None
+    if learning is None:
+        return None
+    # As ServedLearning wires a served_datastore, which replay's stand-in for two ranks (for
+    # stores indexed inside the step) would refuse.
+    journal = ServedDirectory(directory, learning.keyed or learning.shared, REPLAY_TOKENIZER,
+                              flush_s=1.0, compact_s=float("inf"), background=False,
+                              replica=replica)
+    learning.directory = journal
+    learning.requests.persist = journal.record
+    return journal
+
+
+def replay_fleet(runs: list[Replay], records: list[dict[str, Any]],
+                 directory: Path) -> dict[str, Any]:
+    """``records`` dealt round-robin to ``runs``, a fleet's replicas sharing ``directory`` as
+    their ``served_datastore``; their summary together.
+
+    Replicas decode at once: the one whose simulated clock is behind takes the next step. Each
+    flushes its journal after a step and reads the others' before one, so a request one
+    replica finished is drafted from by the others from their next step on, where the engine
+    reads within ``served_flush_ms`` (1 s, a few steps): replay is that much early. A replica
+    that has served its share stops, and stores and journals its last request, as a server does
+    at shutdown (one that went on serving would at its next step)."""
+    journals = [join_fleet(run.drafter, directory, f"replica-{i}") if len(runs) > 1 else None
+                for i, run in enumerate(runs)]
+    numbered = list(enumerate(records))
+    for i, run in enumerate(runs):
+        run.serve(numbered[i::len(runs)])
+    counters: list[dict[str, Any]] = [{} for _ in runs]
+    active = list(range(len(runs)))
+    try:
+        while active:
+            i = min(active, key=lambda i: runs[i].now)
+            journal = journals[i]
+            if journal is not None:
+                journal.sync()
+            if runs[i].advance():
+                if journal is not None:
+                    journal.writer.flush()
+                continue
+            active.remove(i)
+            counters[i] = runs[i].counters()
+            runs[i].drafter.close()
     finally:
-        drafter.close()
+        for i in active:
+            runs[i].drafter.close()
+    return summarize(runs, counters)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -384,31 +497,75 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens if not given")
     parser.add_argument("--model", help="model folder, for methods that need hidden states")
     parser.add_argument("--task", help="replay only this task's records")
-    parser.add_argument("--platform", choices=("vllm-cpu", "accelerator"), default="vllm-cpu",
+    parser.add_argument("--platform", choices=("vllm-cpu", "accelerator"), action="append",
                         help="whose option defaults (draft_token_cost, min_draft_len, ...) the "
-                             "configs get, and so whose verification cost is modelled")
+                             "configs get, and so whose verification cost is modelled "
+                             "(repeatable; default vllm-cpu)")
     parser.add_argument("--verify-cost", help="a verify_cost results JSON: each step costs its "
                         "measured time for that many draft tokens instead of a linear cost")
     parser.add_argument("--tree-verify-cost", help="the same for steps verifying a tree "
                         "(benchmarks/gpu_check.py measures both); needs --verify-cost")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests decoding at once (records join as others finish)")
+    parser.add_argument("--replicas", default="1",
+                        help="comma-separated fleet sizes: each task's records are dealt "
+                             "round-robin to that many replicas of each config, a served store "
+                             "learning from the whole fleet's (one served_datastore)")
+    parser.add_argument("--run-name", help="also write the lines as results, <run-name>.json "
+                        "and .md in --output-dir")
+    parser.add_argument("--output-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     records = [r for path in args.outputs for r in load_records(path)]
     for r in records:
         r.setdefault("task", "code-gen")
     tasks = sorted({r["task"] for r in records if args.task in (None, r["task"])})
-    platform = {p.name: p for p in (VLLM_CPU_DEFAULTS, ACCELERATOR_DEFAULTS)}[args.platform]
+    platforms = {p.name: p for p in (VLLM_CPU_DEFAULTS, ACCELERATOR_DEFAULTS)}
     states = TransformersStates(args.model) if args.model else None
     grid = json.loads(args.grid)
-    for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
-        if options.get("method") not in ("suffix", "ngram"):
-            options = {"num_speculative_tokens": args.k, **options}
-        for task in tasks:
-            result = replay_config(options, [r for r in records if r["task"] == task], platform,
-                                   states, args.verify_cost, args.batch,
-                                   args.tree_verify_cost)
-            print(json.dumps({"task": task, "config": options, **result}), flush=True)
+    rows = []
+    for name, replicas in itertools.product(args.platform or ["vllm-cpu"],
+                                            [int(n) for n in args.replicas.split(",")]):
+        for options in (o for base in json.loads(args.configs) for o in expand_grid(base, grid)):
+            if options.get("method") not in ("suffix", "ngram"):
+                options = {"num_speculative_tokens": args.k, **options}
+            for task in tasks:
+                result = replay_config(options, [r for r in records if r["task"] == task],
+                                       platforms[name], states, args.verify_cost, args.batch,
+                                       args.tree_verify_cost, replicas)
+                rows.append({"task": task, "config": options, "platform": name,
+                             "replicas": replicas, **result})
+                print(json.dumps(rows[-1]), flush=True)
+    if args.run_name:
+        write_replay_results(args.run_name, module_command("benchmarks.replay", argv),
+                             compared_with_first_config(rows), args.output_dir)
+
+
+def compared_with_first_config(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with ``vs_first_config``: their modelled speed over that of the first config's row
+    of the same task, platform and fleet size."""
+    first: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for row in rows:
+        first.setdefault((row["task"], row["platform"], row["replicas"]), row)
+    return [{**row, "vs_first_config": round(row["modeled_speedup"] / first[
+        row["task"], row["platform"], row["replicas"]]["modeled_speedup"], 3)} for row in rows]
+
+
+#: The results page's columns: (heading, row key).
+RESULT_COLUMNS = [("task", "task"), ("config", "config"), ("platform", "platform"),
+                  ("replicas", "replicas"), ("tokens per forward", "tokens_per_forward"),
+                  ("mean draft length", "mean_draft_len"),
+                  ("modelled speedup", "modeled_speedup"),
+                  ("vs the first config", "vs_first_config")]
+
+
+def write_replay_results(run: str, command: str, rows: list[dict[str, Any]],
+                         output_dir: str) -> None:
+    """``<run>.json`` and ``<run>.md`` (``docs/results-schema.md``)."""
+    table = [{**row, "config": json.dumps(row["config"])} for row in rows]
+    write_report(results_document(run, command, rows), output_dir, [
+        "Replayed from recorded greedy outputs (`benchmarks/replay.py`): tokens per forward "
+        "are counted, speed is modelled from each platform's step cost.", "",
+        *markdown_table(RESULT_COLUMNS, table)])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 from benchmarks.peers import NgramPeer, SuffixPeer
 from benchmarks.replay import (
     PLAIN_STEP_NS, Replay, Request, StepCosts, build_proposer, expand_grid, fake_vllm_config,
-    main, measured_step_costs)
+    main, measured_step_costs, replay_config, replay_fleet)
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
 from vllm_retrieval_spec.drafting.tree import TreeDraft
@@ -163,6 +163,56 @@ def test_replay_learns_from_served_records_in_order():
     assert together["tokens_per_forward"] == 1.0
 
 
+#: Dealt to two replicas: the first serves A then C, the second B (longer than A) then A again.
+FLEET = [{"prompt": [1, 2], "output": list(range(100, 130))},
+         {"prompt": [3, 4], "output": list(range(200, 240))},
+         {"prompt": [5, 6], "output": list(range(300, 305))},
+         {"prompt": [1, 2], "output": list(range(100, 130))}]
+
+
+def fleet_traces(make_drafter, directory):
+    runs = [Replay(make_drafter(), StepCosts(0.0), trace=True) for _ in range(2)]
+    return replay_fleet(runs, FLEET, directory), [run.trace for run in runs]
+
+
+def test_a_fleet_of_hybrids_drafts_from_what_another_replica_served(tmp_path):
+    """The second replica drafts A from the first replica's journal, as a replica tailing the
+    fleet's served_datastore does: A finished there (its 30 steps) before B (40) did here."""
+    options = {"method": "hybrid", "num_speculative_tokens": 8, "pad_drafts": False}
+    result, (first, second) = fleet_traces(
+        lambda: build_proposer(options, VLLM_CPU_DEFAULTS), tmp_path)
+    assert first == [[[]]] * 35  # A, then C: nothing repeats
+    # As a single replica's second A (test_replay_learns_from_served_records_in_order).
+    assert second == [[[]]] * 40 + [[list(range(101, 107))], [list(range(108, 116))],
+                                     [list(range(117, 125))], [list(range(126, 130))], [[]]]
+    assert result["tokens_per_forward"] == round(105 / (30 + 5 + 40 + 5), 3)
+    assert sorted(p.name for p in tmp_path.glob("journal-*")) == \
+        ["journal-replica-0.0.sealed", "journal-replica-1.0.sealed"]
+
+
+def test_a_fleet_of_vllm_suffix_learns_per_replica(tmp_path):
+    """vLLM's suffix keeps what its own replica served: the second replica's A is drafted from
+    nothing; the same records on one replica draft the second A from the first."""
+    result, (_, second) = fleet_traces(lambda: SuffixPeer({}, 1024), tmp_path)
+    assert second == [[[]]] * 70
+    assert result["tokens_per_forward"] == 1.0
+    alone = replay_config({"method": "suffix"}, FLEET, VLLM_CPU_DEFAULTS)
+    assert alone["tokens_per_forward"] > 1.0
+
+
+def test_one_replica_replays_as_one_drafter_does():
+    options = {"method": "hybrid", "num_speculative_tokens": 8, "pad_drafts": False}
+
+    def counted(summary):  # the drafting times are wall times
+        return {k: v for k, v in summary.items() if not k.startswith("draft_us")}
+
+    fleet = replay_config(options, FLEET, VLLM_CPU_DEFAULTS, replicas=1)
+    alone, _ = replay(build_proposer(options, VLLM_CPU_DEFAULTS), FLEET,
+                      StepCosts(VLLM_CPU_DEFAULTS.draft_token_cost))
+    assert counted(fleet) == counted(alone)
+    assert fleet["tokens_per_forward"] > 1.0
+
+
 def test_suffix_peer_replays_vllms_suffix_decoding():
     """vLLM's own suffix proposer learns responses across requests too: a repeated request is
     drafted from the first one's response, as many tokens as match (max_spec_factor 1) while
@@ -284,6 +334,24 @@ def test_pld_plus_gets_the_states_of_its_accepted_tokens():
     assert result["tokens_per_forward"] > 1.0
     with pytest.raises(ValueError, match="needs --model"):
         build_proposer({"method": "pld_plus", **EXACT}, VLLM_CPU_DEFAULTS)
+
+
+def test_main_writes_a_fleet_per_platform_and_size_as_results(tmp_path, capsys):
+    records = tmp_path / "run.plain.jsonl"
+    records.write_text("".join(json.dumps({"task": "chat", **r}) + "\n" for r in FLEET))
+    main([str(records), "--configs", json.dumps([{"method": "suffix"}, {"method": "hybrid"}]),
+          "--replicas", "1,2", "--platform", "vllm-cpu", "--platform", "accelerator",
+          "--run-name", "fleet", "--output-dir", str(tmp_path)])
+    rows = json.loads((tmp_path / "fleet.json").read_text())["rows"]
+    assert [(r["platform"], r["replicas"], r["config"]["method"]) for r in rows] == [
+        (p, n, m) for p in ("vllm-cpu", "accelerator") for n in (1, 2)
+        for m in ("suffix", "hybrid")]
+    assert [r["vs_first_config"] for r in rows[::2]] == [1.0] * 4
+    assert all(r["vs_first_config"] > 1.0 for r in rows[3::4])  # hybrid, 2 replicas
+    assert len(capsys.readouterr().out.splitlines()) == 8
+    # The second replica drafts A from the first's (test_a_fleet_of_hybrids_drafts_...).
+    assert '| chat | {"num_speculative_tokens": 8, "method": "hybrid"} | accelerator | 2 | ' \
+        f'{round(105 / 80, 3)} |' in (tmp_path / "fleet.md").read_text()
 
 
 def test_main_prints_one_line_per_task_and_config(tmp_path, capsys):
