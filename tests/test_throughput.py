@@ -120,6 +120,25 @@ def test_method_options_for_one_row_override_the_methods():
             for r in runs[1:]] == [(24, None, 1.0), (8, "off", 1.0)]
 
 
+def test_a_named_row_sits_beside_the_same_method_with_its_own_options():
+    from vllm_retrieval_spec.bench.results import task_row
+    from vllm_retrieval_spec.bench.throughput import BenchSettings, method_runs
+
+    runs = method_runs(["hybrid", "hybrid@restarted"], 8, {},
+                       {"hybrid": {"num_speculative_tokens": 24},
+                        "hybrid@restarted": {"served_datastore": "/journal"}})
+    assert [r.label for r in runs] == ["plain", "hybrid", "hybrid@restarted"]
+    assert [r.speculative_config for r in runs[1:]] == [
+        {"method": "hybrid", "num_speculative_tokens": 24},
+        {"method": "hybrid", "num_speculative_tokens": 24, "served_datastore": "/journal"}]
+    row = task_row(runs[2], 24, "chat", BenchSettings(), [[1, 2]], [(1, 2, 1.0, 2)], 0, 0, 0,
+                   {"p50_ms": None, "p99_ms": None, "critical_p50_ms": None,
+                    "critical_p99_ms": None})
+    assert row["method"] == "hybrid@restarted"
+    with pytest.raises(ValueError, match="'@NAME' rows are for our methods"):
+        method_runs(["suffix@restarted"], 8, {})
+
+
 def test_tree_rows_sit_beside_the_same_methods_chain():
     from vllm_retrieval_spec.bench.throughput import method_runs
 

@@ -70,7 +70,8 @@ def task_row(run: MethodRun, num_speculative_tokens: int | None, task: str,
     config["dtype"] = settings.dtype
     row = {
         "task": task,
-        "method": run.method + (f"/{run.variant}" if run.variant else ""),
+        "method": run.method + (f"/{run.variant}" if run.variant else "")
+                  + (f"@{run.name}" if run.name else ""),
         "config": config,
         "datastore": run.datastore,
         "prompts": len(outputs),

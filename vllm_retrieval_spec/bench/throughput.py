@@ -44,11 +44,15 @@ class MethodRun:
     #: ``served-dense``: hybrid's served store with its dense half (``hybrid/served-dense``);
     #: ``unpadded``: no draft padded to a cheaper length (``METHOD/unpadded``).
     variant: str = ""
+    #: A row of its own beside the same method's, set apart only by its ``--method-options``
+    #: entry (``METHOD@NAME``, e.g. ``hybrid@restarted`` on a served store kept from earlier).
+    name: str = ""
 
     @property
     def label(self) -> str:
         return method_label(self.method, self.datastore) + (f"/{self.variant}"
-                                                            if self.variant else "")
+                                                            if self.variant else "") \
+            + (f"@{self.name}" if self.name else "")
 
 
 #: vLLM's own drafters, compared with ours at the settings below.
@@ -81,10 +85,12 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                 method_options: dict[str, dict[str, Any]] | None = None) -> list[MethodRun]:
     """Rows for ``specs`` such as ``ngram``, ``pld`` or ``rest:stdlib`` (a method on the named
     datastore; the name may be left out when there is one datastore), ``/tree`` after one of
-    ours for its tree drafts. Plain always comes first: the others are compared with it."""
+    ours for its tree drafts, ``@NAME`` last for a row set apart by ``method_options``'
+    entry spelled so. Plain always comes first: the others are compared with it."""
     runs = [MethodRun("plain")]
     for spelled in specs:
-        spec, _, variant = spelled.partition("/")
+        unnamed, _, row_name = spelled.partition("@")
+        spec, _, variant = unnamed.partition("/")
         if variant and variant not in VARIANTS:
             raise ValueError(f"{spelled!r}: the variants are '/tree' (token-tree drafts), "
                              "'/after-sampling' (drafts only after sampling), '/served-dense' "
@@ -98,6 +104,10 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
         # Options for the method, then for this row alone (keyed as spelled, e.g. "hybrid:a").
         options = {**(method_options or {}).get(name, {}),
                    **((method_options or {}).get(spec, {}) if store else {})}
+        if row_name and name in ("plain", *BUILTIN_METHODS):
+            raise ValueError(f"{spelled!r}: '@NAME' rows are for our methods, which take "
+                             "--method-options")
+        options.update((method_options or {}).get(spelled, {}) if row_name else {})
         if name == "plain":
             continue
         if name == "ngram":
@@ -131,7 +141,7 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                                  f"as {name}:NAME (--datastore NAME=DIR)")
             config["datastore"] = datastores[store]
             label = store
-        runs.append(MethodRun(name, config, datastore=label, variant=variant))
+        runs.append(MethodRun(name, config, datastore=label, variant=variant, name=row_name))
     return runs
 
 
