@@ -1,0 +1,52 @@
+"""The soak test's bookkeeping, without a server (``benchmarks/soak.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.soak import Outcome, lost_requests, rss_growth, stored_documents, summarize_traffic
+from vllm_retrieval_spec.datastore.journal import TokenizerFacts
+from vllm_retrieval_spec.datastore.served import ServedStore
+from vllm_retrieval_spec.datastore.served_saver import ServedDirectory
+
+
+def done(kind, at, prompt=(1, 2), output=(3,), ok=True, duplicate=None, status=200):
+    return Outcome(kind, False, ok, status, 1.0, at, list(prompt), list(output), duplicate)
+
+
+def test_a_request_counts_as_lost_only_if_done_over_a_flush_interval_before_the_kill():
+    documents = [np.array([1, 2, 3, 9], dtype=np.int32)]  # 9: accepted past the client's end
+    outcomes = [done("greedy", 95.0),                     # stored
+                done("greedy", 99.5, output=(4,)),        # within the flush interval
+                done("sampled", 90.0, output=(5,)),       # lost
+                done("greedy", 10.0, output=(6,)),        # older than a bound keeps
+                done("cancelled", 95.0, output=(7,)),     # never complete
+                done("greedy", 95.0, output=(8,), ok=False)]
+    assert lost_requests(outcomes, documents, 100.0, 1.0, 60.0) == {
+        "checked": 2, "missing": 1, "missing_ages_s": [10.0]}
+
+
+def test_traffic_summary_counts_errors_and_distinct_duplicate_outputs():
+    outcomes = [done("duplicate", 1, duplicate=0), done("duplicate", 2, duplicate=0),
+                done("duplicate", 3, output=(4,), duplicate=1),
+                done("duplicate", 4, output=(5,), duplicate=1),
+                done("malformed", 5, ok=True, status=400), done("greedy", 6, ok=False)]
+    summary = summarize_traffic(outcomes)
+    assert summary["duplicate_outputs"] == {0: 1, 1: 2}
+    assert (summary["num_errors"], summary["malformed_400"]) == (1, 1)
+
+
+def test_rss_growth_compares_the_ends_of_the_window():
+    rows = [{"t_s": 10.0 * i, "rss_mib": 100.0 + (i >= 15) * 5} for i in range(20)]
+    assert round(rss_growth(rows, 95.0), 3) == 0.05
+    assert rss_growth(rows, 40.0) == 0.0
+
+
+def test_stored_documents_are_what_a_replica_loads(tmp_path):
+    tokenizer = TokenizerFacts("t", "f" * 64, 1000)
+    replica = ServedDirectory(tmp_path, ServedStore(100, background=False), tokenizer,
+                              flush_s=1.0, compact_s=600.0, background=False, replica="h-1-a")
+    replica.stores.add("a", [1, 2, 3])
+    replica.record(None, "a", np.array([1, 2, 3], dtype=np.int32))
+    replica.writer.flush()  # and never closed: the process was killed
+    assert [d.tolist() for d in stored_documents(tmp_path, 100)] == [[1, 2, 3]]
