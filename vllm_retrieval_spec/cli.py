@@ -266,13 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "token-tree drafts (e.g. hybrid/tree); /after-sampling: the same "
                         "drafting only after sampling (none precomputed or made from the logits); "
                         "hybrid/served-dense: with the served store's dense half; "
-                        "/unpadded: no draft padded to a cheaper length (pad_drafts off)")
+                        "/unpadded: no draft padded to a cheaper length (pad_drafts off); "
+                        "@NAME last (e.g. hybrid@restarted): a row of its own, set apart by "
+                        "its --method-options entry METHOD@NAME")
     p.add_argument("--datastore", action="append",
                    help="[NAME=]DIR, repeatable; NAME defaults to the directory's name")
     p.add_argument("--method-options",
                    help='extra options per method as JSON, e.g. {"rest": '
-                        '{"max_occurrences": 32}}; a key METHOD:NAME applies to that row alone, '
-                        "over the method's")
+                        '{"max_occurrences": 32}}; a key METHOD:NAME or METHOD@NAME applies '
+                        "to that row alone, over the method's")
     p.add_argument("-k", type=int, default=8, help="num_speculative_tokens (not for suffix, "
                                                    "which runs at vLLM's defaults)")
     p.add_argument("--tasks", help="comma-separated: code-gen, summarize, code-edit, "
