@@ -173,6 +173,39 @@ def test_injected_faults_cost_only_drafts(datastore):
                                 "failed_out_of_vocabulary": 2, "failed_over_budget": 2}
 
 
+def test_a_request_vllm_finished_is_journaled_before_any_other_step(tmp_path):
+    """After a burst's last request vLLM runs one empty step to say it finished
+    (``observe_finished``): it is stored and journaled then, with its last step's tokens, though
+    no other request comes."""
+    from vllm_retrieval_spec.datastore.journal import JournalReader
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+                          "served_datastore": str(tmp_path / "served"), "served_flush_ms": 1})
+    config.model_config.tokenizer = str(tmp_path / "tokenizer")
+    config.model_config.tokenizer_revision = None
+    config.model_config.trust_remote_code = False
+    proposer = RetrievalProposer(config)
+    try:
+        output = list(range(10, 20))
+        tokens, _ = batch([1, 2, *output], [3, 4, 5, 6])
+        proposer.observe_batch(["a", "b"])
+        proposer.propose([[10], [5]], np.array([3, 3], dtype=np.int32), tokens)
+        proposer.propose([output[1:], [6]], np.array([12, 4], dtype=np.int32), tokens)
+        proposer.after_handover()
+        proposer.observe_finished({"a", "never-seen"})
+        directory = proposer.method.learning.directory
+        directory.writer.flush()
+        journaled = JournalReader(tmp_path / "served", "", {}).poll()
+        # "a" (prompt and output), not "b", which still runs.
+        assert [r.tokens.tolist() for r in journaled] == [[1, 2, *output]]
+        assert proposer.stats()["served_store_requests"] == 1
+    finally:
+        proposer.close()
+
+
 def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
     """With no datastore at all: request "a" generates 10..19; once it has left the batch a
     new request that reaches "10 11" is drafted its continuation. With served_datastore the

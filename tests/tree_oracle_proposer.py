@@ -45,6 +45,9 @@ class TreeOracleProposer(Drafter):
         self.req_ids = req_ids
         self.tree_rows = tree_rows
 
+    def observe_finished(self, req_ids: set[str]) -> None:
+        pass
+
     def continuation(self, context: np.ndarray) -> np.ndarray:
         for sequence in self.sequences:
             if len(sequence) > len(context) and np.array_equal(sequence[:len(context)], context):

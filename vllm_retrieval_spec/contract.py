@@ -82,6 +82,13 @@ class Drafter(abc.ABC):
         tree, and (``served_store_keys``) each row's served-store key."""
 
     @abc.abstractmethod
+    def observe_finished(self, req_ids: set[str]) -> None:
+        """At the start of every step, an empty one included: the requests vLLM finished since
+        the last one. After the last request of a burst, vLLM runs one empty step to say so,
+        so this is where what a finished request leaves (a served store's journal record) is
+        written without waiting for more traffic."""
+
+    @abc.abstractmethod
     def draft_before_sampling(self, sampled: list[list[int] | None], verified: list[list[int]],
                               num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> None:
         """Before sampling (``drafts_before_sampling``): row i will sample ``sampled[i]`` (None
@@ -161,6 +168,9 @@ class MethodDrafter:
 
     def begin_step(self, req_ids: list[str], served_keys: list[str | None] | None) -> None:
         """Before sampling, every step: the batch's requests (and their served-store keys)."""
+
+    def finished(self, req_ids: set[str]) -> None:
+        """As ``Drafter.observe_finished``."""
 
     def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],
                              segments: list[tuple[int, int, int]]) -> None:

@@ -60,6 +60,8 @@ PATCHES = (
           drafter.with_aux_hidden_states),
     Patch(f"{_RUNNER}._get_eagle3_aux_layers_from_config", ("self",),
           drafter.drafter_aux_layers_first),
+    Patch(f"{_RUNNER}._update_states", ("self", "scheduler_output"),
+          drafter.telling_finished_requests),
     Patch(f"{_RUNNER}._prepare_inputs", ("self", "scheduler_output", "num_scheduled_tokens"),
           drafter.keeping_logits_indices),
     Patch(f"{_RUNNER}.initialize_kv_cache",

@@ -3,7 +3,7 @@ sees them, handed to the store when the request leaves the batch (``datastore.se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -87,7 +87,12 @@ class ServedRequests:
 
     def finish_absent(self, req_ids: Sequence[str]) -> None:
         """Hand every tracked request that is no longer in the batch to the store."""
-        for req_id in self.running.keys() - set(req_ids):
+        self.finish(self.running.keys() - set(req_ids))
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        """Hand these requests to the store (those tracked: a request seen by no step has
+        nothing to store)."""
+        for req_id in [r for r in req_ids if r in self.running]:
             prompt_len, buffer, length = self.running.pop(req_id)
             start = 0 if self.include_prompts else prompt_len
             tokens = buffer[start:length]

@@ -192,6 +192,25 @@ def keeping_logits_indices(prepare_inputs: Callable) -> Callable:
     return wrapper
 
 
+def telling_finished_requests(update_states: Callable) -> Callable:
+    """Our drafter hears which requests vLLM finished at the start of every step: also in the
+    empty step vLLM runs after a burst's last request to say so, which reaches no other hook
+    (hybrid journals those requests then, not at the next request, however late)."""
+
+    @functools.wraps(update_states)
+    def wrapper(self, scheduler_output):
+        drafter = drafter_of(self)
+        if drafter is not None and scheduler_output.finished_req_ids:
+            try:
+                drafter.observe_finished(scheduler_output.finished_req_ids)
+            except Exception:
+                drafter.report_failure("exception", "could not take finished requests",
+                                       exc_info=True)
+        return update_states(self, scheduler_output)
+
+    return wrapper
+
+
 def searching_ahead_after(model_forward: Callable) -> Callable:
     """After the forward, a drafter with ``last_hidden_states`` gets the hidden states of the
     rows vLLM will sample (``search_ahead``): any of them may be a request's last state once the

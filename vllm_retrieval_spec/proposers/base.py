@@ -120,6 +120,11 @@ class RetrievalProposer(Drafter):
         self.lengths.forget_except(req_ids)
         self.method.begin_step(req_ids, served_keys)
 
+    def observe_finished(self, req_ids: set[str]) -> None:
+        # The last step's bookkeeping first: it may hold a finished request's last tokens.
+        self.settle()
+        self.method.finished(req_ids)
+
     def search_ahead(self, states: Any) -> None:
         self.forward_states = states
         self.method.search_ahead(states)

@@ -147,6 +147,12 @@ class ServedLearning:
                 [self.directory.key_of(key) for key in keys]
             self.row_stores = [self.keyed.get(key) for key in self.row_keys]
 
+    def finish(self, req_ids: set[str]) -> None:
+        """Store (and journal) the requests vLLM says are finished, now: after a burst's last
+        request no step may come for a long time, and a crash must not lose it meanwhile."""
+        self.settle()
+        self.requests.finish(req_ids)
+
     def settle(self) -> None:
         self.tokens_gauge.set((self.keyed or self.shared).num_tokens)
         ready, self.deferred = self.deferred, None
@@ -267,6 +273,10 @@ class HybridDrafter(MethodDrafter):
     def begin_step(self, req_ids: list[str], served_keys: list[str | None] | None) -> None:
         if self.learning is not None:
             self.learning.begin_step(req_ids, served_keys)
+
+    def finished(self, req_ids: set[str]) -> None:
+        if self.learning is not None:
+            self.learning.finish(req_ids)
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         self.queries.record(states, rows)
