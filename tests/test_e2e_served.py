@@ -44,8 +44,9 @@ def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_
     finally:
         shutdown(llm)
     assert first == plain_outputs and second == plain_outputs
-    # Every request but the one still in the batch was stored: prompt and output.
-    assert stats["served_store_requests"] == 2 * len(code_prompts) - 1
+    # Every request was stored, prompt and output: the last one once vLLM's next step (an
+    # empty one, racing this call) has said it finished.
+    assert stats["served_store_requests"] in (2 * len(code_prompts) - 1, 2 * len(code_prompts))
     assert stats["served_store_tokens"] >= sum(map(len, plain_outputs))
     # The second pass is drafted from the first one's outputs: most of its tokens come from
     # accepted drafts (the rest are the tokens each forward adds itself).
