@@ -173,6 +173,18 @@ def test_injected_faults_cost_only_drafts(datastore):
                                 "failed_out_of_vocabulary": 2, "failed_over_budget": 2}
 
 
+def journaled_hybrid_config(tmp_path, **options):
+    """vLLM's config for hybrid with a served_datastore under ``tmp_path`` (the journal checks
+    the model's tokenizer, saved there too)."""
+    make_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+                          "served_datastore": str(tmp_path / "served"), **options})
+    config.model_config.tokenizer = str(tmp_path / "tokenizer")
+    config.model_config.tokenizer_revision = None
+    config.model_config.trust_remote_code = False
+    return config
+
+
 def test_a_request_vllm_finished_is_journaled_before_any_other_step(tmp_path):
     """After a burst's last request vLLM runs one empty step to say it finished
     (``observe_finished``): it is stored and journaled then, with its last step's tokens, though
@@ -180,13 +192,7 @@ def test_a_request_vllm_finished_is_journaled_before_any_other_step(tmp_path):
     from vllm_retrieval_spec.datastore.journal import JournalReader
     from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
-    tokenizer = make_tokenizer()
-    tokenizer.save_pretrained(tmp_path / "tokenizer")
-    config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
-                          "served_datastore": str(tmp_path / "served"), "served_flush_ms": 1})
-    config.model_config.tokenizer = str(tmp_path / "tokenizer")
-    config.model_config.tokenizer_revision = None
-    config.model_config.trust_remote_code = False
+    config = journaled_hybrid_config(tmp_path, served_flush_ms=1)
     proposer = RetrievalProposer(config)
     try:
         output = list(range(10, 20))
@@ -213,13 +219,7 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
     proposer starts from the journal."""
     from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
-    tokenizer = make_tokenizer()
-    tokenizer.save_pretrained(tmp_path / "tokenizer")
-    config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
-                          "served_datastore": str(tmp_path / "served")})
-    config.model_config.tokenizer = str(tmp_path / "tokenizer")
-    config.model_config.tokenizer_revision = None
-    config.model_config.trust_remote_code = False
+    config = journaled_hybrid_config(tmp_path)
     proposer = RetrievalProposer(config)
     try:
         output = list(range(10, 20))
