@@ -476,6 +476,21 @@ def test_dresd_neither_projects_nor_searches_when_drafting_is_off(clustered_stor
     assert calls == ["project", "search"]
 
 
+def test_warm_up_projects_states_like_the_models(clustered_store, monkeypatch):
+    """On a GPU the projection is a Triton kernel compiled at its first call, one per dtype and
+    for one row or more: ``load_model`` makes those calls with states on the model's device in
+    its dtype, not the first requests."""
+    path, _ = clustered_store
+    proposer = dresd_proposer(path)
+    shapes = []
+    projection = proposer.method.index.projection
+    monkeypatch.setattr(proposer.method.index, "projection", lambda s: shapes.append(
+        (s.dtype, s.device.type, tuple(s.shape))) or projection(s))
+    proposer.load_model(torch.nn.Linear(2, 2, dtype=torch.bfloat16))
+    hidden = proposer.method.index.manifest.hidden_size
+    assert shapes == [(torch.bfloat16, "cpu", (2, hidden)), (torch.bfloat16, "cpu", (1, hidden))]
+
+
 def test_dresd_proposer_drafts_each_row_from_its_own_state(clustered_store):
     path, states = clustered_store
     proposer = dresd_proposer(path, min_prefix_prob=0.0)

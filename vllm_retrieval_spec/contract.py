@@ -163,14 +163,17 @@ class MethodDrafter:
         drafts made ahead from another snapshot are not used."""
         return None
 
-    def warm_up(self, max_len: int) -> None:
-        """Compile and load what the first draft would (called at ``load_model``)."""
+    def warm_up(self, max_len: int, device: Any, dtype: Any) -> None:
+        """Compile and load what the first draft would (called at ``load_model``). ``device``
+        and ``dtype``: the target model's, which its hidden states have: a method that reads
+        them warms up on such tensors, so that a GPU's kernels compile here, not in the first
+        requests."""
 
     def begin_step(self, req_ids: list[str], served_keys: list[str | None] | None) -> None:
         """Before sampling, every step: the batch's requests (and their served-store keys)."""
 
     def finished(self, req_ids: set[str]) -> None:
-        """As ``Drafter.observe_finished``."""
+        """As ``Drafter.observe_finished``, after ``settle``."""
 
     def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],
                              segments: list[tuple[int, int, int]]) -> None:

@@ -63,6 +63,6 @@ class TrieDrafter(MethodDrafter):
             return self._stateful[0].snapshot(row)
         return tuple(source.snapshot(row) for source in self._stateful)
 
-    def warm_up(self, max_len: int) -> None:
+    def warm_up(self, max_len: int, device: Any, dtype: Any) -> None:
         # Compiles (or loads from numba's cache) every source's lookup and the trie.
         self.draft(0, np.zeros(2 * 16 + 2, dtype=np.int32), max_len)

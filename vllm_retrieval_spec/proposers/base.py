@@ -48,6 +48,15 @@ class SampledStep:
     trees: dict[str, TreeDraft]
 
 
+def model_placement(model: Any) -> tuple[Any, Any]:
+    """The device and dtype of the model's weights, which its hidden states share; the CPU and
+    float32 without a model (replay) or weights."""
+    import torch
+
+    weights = next(model.parameters(), None) if model is not None else None
+    return ("cpu", torch.float32) if weights is None else (weights.device, weights.dtype)
+
+
 class RetrievalProposer(Drafter):
     def __init__(self, vllm_config: Any, method: MethodDrafter | None = None) -> None:
         """vLLM passes ``vllm_config`` alone; the method's drafter is then made from the
@@ -97,7 +106,7 @@ class RetrievalProposer(Drafter):
     def load_model(self, model: Any) -> None:
         """Retrieval needs no model of its own: this is where what the first step would
         compile or load is done instead (``MethodDrafter.warm_up``)."""
-        self.method.warm_up(self.k)
+        self.method.warm_up(self.k, *model_placement(model))
         context = np.arange(4, dtype=np.int32) % 2
         if self.capabilities.precomputable:
             self.method.followers(0, context)

@@ -23,7 +23,7 @@ from vllm_retrieval_spec.drafting.streams import AheadProjection, Handed
 from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
 from vllm_retrieval_spec.drafting.trie import TrieDrafter
 from vllm_retrieval_spec.sources.dense import (
-    DenseSource, matching_continuations, project_last_states)
+    DenseSource, matching_continuations, project_last_states, warm_up_projection)
 
 #: (neighbours [m, top_n], similarities [m, top_n], ns spent searching)
 Searched = tuple[np.ndarray, np.ndarray, int]
@@ -191,12 +191,9 @@ class DresdDrafter(MethodDrafter):
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         self.searches.record(states, rows)
 
-    def warm_up(self, max_len: int) -> None:
-        import torch
-
+    def warm_up(self, max_len: int, device: Any, dtype: Any) -> None:
         # The projection, the searcher (ScaNN loads lazily), the search threads, the filter.
-        query = project_last_states(self.index.projection,
-                                    torch.zeros(1, self.index.manifest.hidden_size), [0])[0]
+        query = warm_up_projection(self.index, device, dtype)
         self.searches.pool.submit(self.searches.search, query).result()
         candidates, lengths, weights = matching_continuations(
             self.index.tokens, self.index.positions, np.zeros(1, dtype=np.int64),

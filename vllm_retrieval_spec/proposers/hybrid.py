@@ -33,7 +33,7 @@ from vllm_retrieval_spec.metrics import served_store_tokens_gauge
 from vllm_retrieval_spec.sources.base import Gated, Vote
 from vllm_retrieval_spec.sources.context import ContextSource, LastTokenBranches
 from vllm_retrieval_spec.sources.dense import (
-    DenseSource, matching_continuations, project_last_states, searched)
+    DenseSource, matching_continuations, project_last_states, searched, warm_up_projection)
 from vllm_retrieval_spec.sources.served_dense import ServedDenseSource
 from vllm_retrieval_spec.sources.suffix_array import SuffixArraySource
 
@@ -149,8 +149,8 @@ class ServedLearning:
 
     def finish(self, req_ids: set[str]) -> None:
         """Store (and journal) the requests vLLM says are finished, now: after a burst's last
-        request no step may come for a long time, and a crash must not lose it meanwhile."""
-        self.settle()
+        request no step may come for a long time, and a crash must not lose it meanwhile.
+        The last step's handover is settled first (``Drafter.observe_finished``)."""
         self.requests.finish(req_ids)
 
     def settle(self) -> None:
@@ -328,7 +328,7 @@ class HybridDrafter(MethodDrafter):
         if self.learning is not None:
             self.learning.settle()
 
-    def warm_up(self, max_len: int) -> None:
+    def warm_up(self, max_len: int, device: Any, dtype: Any) -> None:
         context = np.zeros(2 * self.config.match.max_match_len, dtype=np.int32)
         self.trie.draft(0, context, max_len)
         if self.learning is not None:
@@ -337,10 +337,7 @@ class HybridDrafter(MethodDrafter):
             ServedStore(1, background=False).lookup(
                 context, min_len=1, max_len=2, max_occurrences=1, continuation_len=max_len)
         if self.dense is not None:
-            import torch
-
-            project_last_states(self.dense.projection,
-                                torch.zeros(1, self.dense.manifest.hidden_size), [0])
+            warm_up_projection(self.dense, device, dtype)
             neighbours, scores = self.dense.search(
                 np.zeros((1, self.dense.manifest.dims), dtype=np.float32), 1)
             matching_continuations(self.dense.tokens, self.dense.positions, neighbours[0],

@@ -97,11 +97,12 @@ class PldPlusDrafter(MethodDrafter):
             return np.empty(0, dtype=np.int32)
         return pld_plus_draft(context, states, max_len, self.config)
 
-    def warm_up(self, max_len: int) -> None:
+    def warm_up(self, max_len: int, device: Any, dtype: Any) -> None:
         # The first step's conversions and similarity product (BLAS start-up) happen now.
         import torch
 
-        states = unit_rows(torch.ones(4, self.hidden_size).float().cpu().numpy())
+        states = unit_rows(torch.ones(4, self.hidden_size, device=device, dtype=dtype)
+                           .float().cpu().numpy())
         pld_plus_draft(np.array([1, 2, 1, 2], dtype=np.int32), states, max_len, self.config)
 
 

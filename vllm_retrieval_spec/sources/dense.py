@@ -64,6 +64,18 @@ def project_last_states(projection: Projection, states: Any,
     return projection(states[[rows[i] for i in valid]]), valid
 
 
+def warm_up_projection(index: DenseIndex, device: Any, dtype: Any) -> np.ndarray:
+    """Projects zero states as the steps will, on the model's device in its dtype: one row, then
+    two (Triton compiles a kernel apiece for a single row and for more), so that a GPU's kernel
+    is compiled at start-up. Returns the one row's query, float32 [1, d]."""
+    import torch
+
+    for rows in (2, 1):
+        queries, _ = project_last_states(index.projection, torch.zeros(
+            rows, index.manifest.hidden_size, device=device, dtype=dtype), list(range(rows)))
+    return queries
+
+
 def searched(index: DenseIndex, query: np.ndarray | None,
              top_n: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The ``top_n`` neighbours of one ``query`` (a projected state) and their similarities,
