@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from vllm_retrieval_spec.verification.core import (
+    batched_greedy_walk,
     greedy_tree_walk,
     is_chain,
     leading_chain_len,
     path_moves,
+    root_path,
     tree_depths,
     tree_eligible,
     valid_tree,
@@ -57,6 +59,42 @@ def target_after(tokens_by_node: dict[int, int]) -> np.ndarray:
 ])
 def test_greedy_walk_follows_the_targets_tokens(target, path, bonus):
     assert greedy_tree_walk(PARENTS, TOKENS, target_after(target)) == (path, bonus)
+
+
+def random_trie(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A tree of ``n`` nodes in topological order whose siblings hold different tokens (from a
+    vocabulary of 4, so that targets often agree), as the drafters' tries do."""
+    parents, tokens = [], []
+    for i in range(n):
+        parent = int(rng.integers(-1, i)) if i else -1
+        taken = {t for p, t in zip(parents, tokens) if p == parent}
+        free = [t for t in range(4) if t not in taken]
+        if not free:
+            parent, free = i - 1, list(range(4))   # a full node: extend the last one instead
+        parents.append(parent)
+        tokens.append(int(rng.choice(free)))
+    return np.array(parents, dtype=np.int64), np.array(tokens, dtype=np.int64)
+
+
+def test_batched_walk_is_the_greedy_walk_of_every_tree():
+    """Trees of 1-40 nodes padded into one batch, targets drawn from the same 4 tokens: the
+    batched walk finds each tree's greedy path (its deepest node) and bonus."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        trees = [random_trie(rng, int(rng.integers(1, 41))) for _ in range(int(rng.integers(1, 6)))]
+        nodes = max(len(p) for p, _ in trees)
+        parents, depths, tokens = (np.zeros((len(trees), nodes), np.int64) for _ in range(3))
+        targets = rng.integers(0, 4, size=(len(trees), nodes + 1))
+        for b, (p, t) in enumerate(trees):
+            parents[b, :len(p)], depths[b, :len(p)], tokens[b, :len(p)] = p, tree_depths(p), t
+        last, bonus = batched_greedy_walk(*map(torch.from_numpy, (parents, depths, tokens,
+                                                                  targets)),
+                                          int(depths.max())).numpy()
+        for b, (p, t) in enumerate(trees):
+            path, expected_bonus = greedy_tree_walk(p, t, targets[b, :len(p) + 1])
+            assert (root_path(p, int(last[b])), int(bonus[b])) == (path, expected_bonus)
 
 
 @pytest.mark.parametrize("parents, length", [([], 0), ([-1], 1), ([-1, 0, 1], 3),

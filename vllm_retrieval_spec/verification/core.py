@@ -85,6 +85,40 @@ def greedy_tree_walk(parents: np.ndarray, tokens: np.ndarray,
         path.append(node)
 
 
+def batched_greedy_walk(parents: Any, depths: Any, tokens: Any, targets: Any,
+                        max_depth: int) -> Any:
+    """:func:`greedy_tree_walk` for a batch of trees at once, in tensor operations on their
+    device: no loop over nodes or trees, so a GPU step needs no host round trip per tree.
+
+    ``parents``, ``depths``, ``tokens``: int64 ``[B, N]``, each tree's nodes padded to N (padding
+    has depth 0); ``targets``: ``[B, N + 1]``, the target's token after the root, then after each
+    node; ``max_depth``: the deepest node's depth, known on the host. A node is accepted when it and all its ancestors hold the target's token after their
+    parent (pointer jumping: ``log2`` of the depth rounds); the deepest accepted node ends the
+    path (a trie's siblings differ, so at most one path agrees). Returns int64 ``[2, B]``: each
+    tree's last accepted node (-1: none) and its bonus token (the target's after that node)."""
+    import torch
+
+    agrees = (tokens == targets.gather(1, parents + 1)) & (depths > 0)
+    accepted, jump = agrees, parents
+    for _ in range(max_depth.bit_length()):
+        has_parent = jump >= 0
+        up = jump.clamp(min=0)
+        accepted = accepted & (accepted.gather(1, up) | ~has_parent)
+        jump = torch.where(has_parent, jump.gather(1, up), jump)
+    deepest, node = torch.where(accepted, depths, 0).max(dim=1)
+    node = torch.where(deepest > 0, node, -1)
+    return torch.stack([node, targets.gather(1, (node + 1)[:, None])[:, 0]])
+
+
+def root_path(parents: np.ndarray, node: int) -> list[int]:
+    """The nodes from the root's child down to ``node`` (none for -1)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
 def path_moves(path: list[int]) -> list[tuple[int, int]]:
     """(from, to) offsets after the root of the KV entries to copy: the k-th path node (node
     ``path[k]``, at offset ``path[k] + 1``) belongs at offset ``k + 1`` (``path[k] >= k``)."""
@@ -108,6 +142,7 @@ class TreeRow:
     """One request's tree in this step."""
     row: int                 # batch row
     parents: np.ndarray      # int64 [n]
+    tokens: np.ndarray       # the nodes' draft tokens [n]
     base: int                # position (and slot offset) of the root
     query_start: int         # the root's row in this step's flattened tokens
     #: Nodes before this one are the leading chain; only the later rows are attended again.
@@ -178,8 +213,8 @@ class TreeVerifier:
                 parents = np.asarray(tree.parents[:n], dtype=np.int64)
                 first_branch = leading_chain_len(parents)
                 if first_branch < n and np.array_equal(tree.tokens[:n], draft):
-                    rows.append(TreeRow(i, parents, int(num_computed[i]), query_start,
-                                        first_branch))
+                    rows.append(TreeRow(i, parents, np.asarray(draft), int(num_computed[i]),
+                                        query_start, first_branch))
             query_start += int(num_scheduled[i])
         if not rows:
             return
@@ -224,26 +259,38 @@ class TreeVerifier:
                                "graph replayed?); its outputs cannot be verified")
         import torch
 
+        rows = self.step.rows
         drafted = np.asarray(num_draft_tokens)
         logit_starts = np.concatenate([[0], np.cumsum(drafted + 1)])
         draft_starts = np.concatenate([[0], np.cumsum(drafted)])
-        rows = self.step.rows
-        logit_rows = np.concatenate([logit_starts[t.row] + np.arange(len(t.parents) + 1)
-                                     for t in rows])
-        draft_rows = np.concatenate([draft_starts[t.row] + np.arange(len(t.parents))
-                                     for t in rows])
-        # The argmax on the logits' device, and one copy to the host for every tree.
-        target = logits[torch.from_numpy(logit_rows).to(logits.device)].argmax(dim=-1)
-        tokens = draft_token_ids[torch.from_numpy(draft_rows).to(draft_token_ids.device)]
-        host = torch.cat([target, tokens.to(target.dtype)]).cpu().numpy()
-        targets, drafts = host[:len(logit_rows)], host[len(logit_rows):]
-        walks = []
-        for tree in rows:
+        nodes = max(len(tree.parents) for tree in rows)
+        # Built on the host, one copy to the device: every tree's logits rows (``flat``), then
+        # per tree its nodes' parents, depths, targets (as rows of ``flat``) and draft tokens
+        # (as rows of ``draft_token_ids``), padded to the largest tree.
+        flat = np.concatenate([logit_starts[t.row] + np.arange(len(t.parents) + 1)
+                               for t in rows])
+        index = np.zeros((len(rows), 4, nodes + 1), dtype=np.int64)
+        offset = max_depth = 0
+        for b, tree in enumerate(rows):
             n = len(tree.parents)
-            target, targets = targets[:n + 1], targets[n + 1:]
-            tokens, drafts = drafts[:n], drafts[n:]
-            path, bonus = greedy_tree_walk(tree.parents, tokens, target)
-            walks.append((tree, [int(tokens[j]) for j in path] + [int(bonus)], path))
+            depths = tree_depths(tree.parents)
+            max_depth = max(max_depth, int(depths.max()))
+            index[b, 0, :n], index[b, 1, :n] = tree.parents, depths
+            index[b, 2] = offset + np.minimum(np.arange(nodes + 1), n)
+            index[b, 3] = draft_starts[tree.row] + np.minimum(np.arange(nodes + 1), n - 1)
+            offset += n + 1
+        host = torch.from_numpy(np.concatenate([flat, index.ravel()]))
+        device = host.to(logits.device)
+        index = device[len(flat):].view(index.shape)
+        targets = logits[device[:len(flat)]].argmax(dim=-1)[index[:, 2]]
+        tokens = draft_token_ids.to(logits.device)[index[:, 3, :nodes]].to(targets.dtype)
+        # The walk on the logits' device, and one copy to the host for every tree.
+        last, bonus = batched_greedy_walk(index[:, 0, :nodes], index[:, 1, :nodes], tokens,
+                                          targets, max_depth).cpu().numpy()
+        walks = []
+        for tree, node, token in zip(rows, last.tolist(), bonus.tolist()):
+            path = root_path(tree.parents, node)
+            walks.append((tree, [int(tree.tokens[j]) for j in path] + [token], path))
         return walks
 
     def accept(self, walks: list[tuple[TreeRow, list[int], list[int]]], sampled: Any) -> None:
