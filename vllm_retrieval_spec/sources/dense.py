@@ -65,9 +65,9 @@ def project_last_states(projection: Projection, states: Any,
 
 
 def warm_up_projection(index: DenseIndex, device: Any, dtype: Any) -> np.ndarray:
-    """Projects zero states as the steps will, on the model's device in its dtype: one row, then
-    two (Triton compiles a kernel apiece for a single row and for more), so that a GPU's kernel
-    is compiled at start-up. Returns the one row's query, float32 [1, d]."""
+    """Projects zero states as the steps will, on the model's device in its dtype: two rows, then
+    one (Triton compiles a kernel apiece for a single row and for more), so that a GPU's kernels
+    are compiled at start-up. Returns the one row's query, float32 [1, d]."""
     import torch
 
     for rows in (2, 1):

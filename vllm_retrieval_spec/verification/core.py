@@ -92,10 +92,12 @@ def batched_greedy_walk(parents: Any, depths: Any, tokens: Any, targets: Any,
 
     ``parents``, ``depths``, ``tokens``: int64 ``[B, N]``, each tree's nodes padded to N (padding
     has depth 0); ``targets``: ``[B, N + 1]``, the target's token after the root, then after each
-    node; ``max_depth``: the deepest node's depth, known on the host. A node is accepted when it and all its ancestors hold the target's token after their
-    parent (pointer jumping: ``log2`` of the depth rounds); the deepest accepted node ends the
-    path (a trie's siblings differ, so at most one path agrees). Returns int64 ``[2, B]``: each
-    tree's last accepted node (-1: none) and its bonus token (the target's after that node)."""
+    node; ``max_depth``: the deepest node's depth, known on the host.
+
+    A node is accepted when it and all its ancestors hold the target's token after their parent
+    (pointer jumping: ``log2`` of the depth rounds); the deepest accepted node ends the path (a
+    trie's siblings differ, so at most one path agrees). Returns int64 ``[2, B]``: each tree's
+    last accepted node (-1: none) and its bonus token (the target's after that node)."""
     import torch
 
     agrees = (tokens == targets.gather(1, parents + 1)) & (depths > 0)
@@ -279,8 +281,7 @@ class TreeVerifier:
             index[b, 2] = offset + np.minimum(np.arange(nodes + 1), n)
             index[b, 3] = draft_starts[tree.row] + np.minimum(np.arange(nodes + 1), n - 1)
             offset += n + 1
-        host = torch.from_numpy(np.concatenate([flat, index.ravel()]))
-        device = host.to(logits.device)
+        device = torch.from_numpy(np.concatenate([flat, index.ravel()])).to(logits.device)
         index = device[len(flat):].view(index.shape)
         targets = logits[device[:len(flat)]].argmax(dim=-1)[index[:, 2]]
         tokens = draft_token_ids.to(logits.device)[index[:, 3, :nodes]].to(targets.dtype)
