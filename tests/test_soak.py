@@ -50,3 +50,21 @@ def test_stored_documents_are_what_a_replica_loads(tmp_path):
     replica.record(None, "a", np.array([1, 2, 3], dtype=np.int32))
     replica.writer.flush()  # and never closed: the process was killed
     assert [d.tolist() for d in stored_documents(tmp_path, 100)] == [[1, 2, 3]]
+
+
+def test_churn_keeps_the_store_bounded_and_samples_its_memory(tmp_path, model_dir):
+    """``benchmarks/served_churn.py``: the journaled drafter fed recorded requests, sampled."""
+    import json
+
+    from benchmarks import served_churn
+
+    served_churn.main(["--requests", "60", "--sample-every", "20", "--served-max-tokens",
+                       "3000", "--output-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "served-churn.json").read_text())
+    rows = results["rows"]
+    assert [row["requests"] for row in rows] == [0, 20, 40, 60]
+    # Full (evicting whole requests) and never past its bound.
+    assert rows[0]["store_tokens"] == 0 and rows[-1]["store_tokens"] > 2000
+    assert max(row["store_tokens"] for row in rows) <= 3000
+    assert all(row["rss_mib"] > 100 for row in rows)
+    assert results["checks"]["records"] > 100

@@ -1,0 +1,117 @@
+"""The drafter's memory under churn, without vLLM: ``hybrid`` with a journaled
+``served_datastore``, as the soak test's server runs it, fed the recorded requests
+(``benchmarks/results/*.plain.jsonl``, prompt and output) again and again, one at a time: a
+``propose`` per step of ``--tokens-per-step`` tokens, then ``observe_finished``. The store fills
+to ``--served-max-tokens`` and evicts, the journal is flushed every ``served_flush_ms`` and
+compacted into a snapshot every ``--save-minutes``. Every ``--sample-every`` requests it samples
+this process's RSS: whatever the soak's server grows by beyond this is not the served store's.
+
+    python -m benchmarks.served_churn --requests 20000 --output-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.replay import fake_vllm_config
+from benchmarks.served_store import recorded_requests
+from vllm_retrieval_spec.assets import model_path
+from vllm_retrieval_spec.bench.report import (
+    markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
+from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+K = 8
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def journaled_hybrid(directory: Path, max_tokens: int, save_minutes: float) -> RetrievalProposer:
+    config = parse_speculative_config(
+        {"method": "hybrid", "num_speculative_tokens": K, "draft_budget_ms": 0,
+         "served_datastore": str(directory), "served_max_tokens": max_tokens,
+         "served_save_minutes": save_minutes}, VLLM_CPU_DEFAULTS)
+    vllm_config = fake_vllm_config(config, max_model_len=8192)
+    # The journal records the tokenizer it was written with.
+    vllm_config.model_config.tokenizer = str(model_path())
+    vllm_config.model_config.tokenizer_revision = None
+    vllm_config.model_config.trust_remote_code = False
+    proposer = RetrievalProposer(vllm_config)
+    proposer.load_model(None)
+    return proposer
+
+
+def serve(proposer: RetrievalProposer, req_id: str, prompt: list[int], output: list[int],
+          tokens_per_step: int) -> None:
+    """One request through the proposer as vLLM's steps hand it over."""
+    sequence = np.array(prompt + output, dtype=np.int32)
+    token_ids = np.zeros((1, len(sequence)), dtype=np.int32)
+    token_ids[0] = sequence
+    proposer.observe_batch([req_id])
+    for end in range(len(prompt) + 1, len(sequence) + 1, tokens_per_step):
+        sampled = sequence[max(len(prompt), end - tokens_per_step):end].tolist()
+        proposer.propose([sampled], np.array([end], dtype=np.int32), token_ids)
+        proposer.after_handover()
+    proposer.observe_batch([])
+    proposer.observe_finished({req_id})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--served-max-tokens", type=int, default=100_000)
+    parser.add_argument("--save-minutes", type=float, default=0.05)
+    parser.add_argument("--tokens-per-step", type=int, default=4)
+    parser.add_argument("--sample-every", type=int, default=1000)
+    parser.add_argument("--run-name", default="served-churn")
+    parser.add_argument("--output-dir", help="write <run-name>.json and .md there")
+    args = parser.parse_args(argv)
+    records = [r for r in recorded_requests() if r.get("output")]
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        served = Path(directory) / "served"
+        proposer = journaled_hybrid(served, args.served_max_tokens, args.save_minutes)
+        start = time.perf_counter()
+        for i in range(args.requests + 1):
+            if i % args.sample_every == 0:
+                gc.collect()
+                rows.append({
+                    "requests": i, "seconds": round(time.perf_counter() - start, 1),
+                    "rss_mib": round(rss_mib(), 1),
+                    "store_tokens": proposer.method.learning.shared.num_tokens,
+                    # Snapshots are numbered; the older ones are removed.
+                    "snapshots": max((int(p.name.split("-")[1])
+                                      for p in served.glob("snapshot-*")), default=0)})
+                print(rows[-1], flush=True)
+            record = records[i % len(records)]
+            serve(proposer, f"r{i}", list(record["prompt"]), list(record["output"]),
+                  args.tokens_per_step)
+        proposer.method.close()
+    full = [row for row in rows if row["store_tokens"] >= 0.95 * args.served_max_tokens]
+    checks = {"records": len(records),
+              "rss_growth_mib_once_full": round(full[-1]["rss_mib"] - full[0]["rss_mib"], 1)
+              if len(full) > 1 else None,
+              "requests_once_full": full[-1]["requests"] - full[0]["requests"] if full else 0}
+    print(checks)
+    if args.output_dir:
+        columns = [(key, key) for key in rows[0]]
+        results = results_document(args.run_name, module_command(
+            "benchmarks.served_churn", argv), rows)
+        results["checks"] = checks
+        for path in write_report(results, args.output_dir, markdown_table(columns, rows)):
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
