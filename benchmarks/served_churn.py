@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             record = records[i % len(records)]
             serve(proposer, f"r{i}", list(record["prompt"]), list(record["output"]),
                   args.tokens_per_step)
-        proposer.method.close()
+        proposer.close()
     full = [row for row in rows if row["store_tokens"] >= 0.95 * args.served_max_tokens]
     checks = {"records": len(records),
               "rss_growth_mib_once_full": round(full[-1]["rss_mib"] - full[0]["rss_mib"], 1)

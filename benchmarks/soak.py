@@ -24,7 +24,9 @@ tokens per forward) a duplicate prompt only the first server served, beside a co
 no server served.
 
 Results: `<run>.json` (the schema's header, the checks, and one row per sample: `t_s`,
-`rss_mib`, `served_store_tokens`, `requests`) and `<run>.md` beside it.
+`rss_mib`, split as `rss_server_mib` (the API server) and `rss_engine_mib` (its children: the
+engine and its worker, where the drafter runs), `served_store_tokens`, `requests`) and
+`<run>.md` beside it.
 """
 
 from __future__ import annotations
@@ -121,16 +123,18 @@ class Server:
         except psutil.NoSuchProcess:
             return []
 
-    def rss_bytes(self) -> int:
+    def rss_bytes(self) -> tuple[int, int]:
+        """RSS of the server process (vLLM's API server) and of its children (the engine and
+        its worker, where the drafter runs)."""
         import psutil
 
-        total = 0
-        for process in self.tree():
+        totals = [0, 0]
+        for i, process in enumerate(self.tree()):
             try:
-                total += process.memory_info().rss
+                totals[i > 0] += process.memory_info().rss
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return totals[0], totals[1]
 
     def kill(self) -> None:
         """SIGKILL to every process of the tree at once (its own session: nothing else)."""
@@ -309,8 +313,11 @@ class Sampler(threading.Thread):
                 tokens = metrics(self.server.port).get("vllm_rsd:served_store_tokens")
             except (OSError, http.client.HTTPException):
                 tokens = None  # a busy server: the row still has its RSS
+            server, engine = (b / 2 ** 20 for b in self.server.rss_bytes())
             self.rows.append({"t_s": round(time.monotonic() - self.started, 1),
-                              "rss_mib": round(self.server.rss_bytes() / 2 ** 20, 1),
+                              "rss_mib": round(server + engine, 1),
+                              "rss_server_mib": round(server, 1),
+                              "rss_engine_mib": round(engine, 1),
                               "served_store_tokens": tokens,
                               "requests": len(self.traffic.outcomes)})
             if self.stop.wait(SAMPLE_S):
@@ -532,6 +539,7 @@ def report(results: dict[str, Any], output_dir: str) -> None:
         f"{c['latency_p50_s']} s, p99 {c['latency_p99_s']} s (completed greedy, sampled and "
         f"duplicate requests); failed drafts: {c['failed_drafts']:.0f}.", "",
         *markdown_table([("t (s)", "t_s"), ("RSS (MiB)", "rss_mib"),
+                         ("API server", "rss_server_mib"), ("engine", "rss_engine_mib"),
                          ("served-store tokens", "served_store_tokens"),
                          ("requests done", "requests")], results["rows"])]
     write_report(results, output_dir, body)
