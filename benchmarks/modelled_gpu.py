@@ -8,8 +8,10 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 
 ``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
-used. Our methods get the accelerator's defaults with ``draft_token_cost`` fitted to the chain
-curve (``fitted_draft_token_cost``), so their drafting rules see the measured cost. Every row is
+used. The chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
+(``calibrated_options``, over the lengths chains verify): those are the accelerator defaults the
+curve implies, and our methods are replayed with its ``draft_token_cost`` and ``min_draft_len``
+(replay has no time budget), so their drafting rules see the measured cost. Every row is
 modelled, not measured in an engine: tokens per forward from replay, time from the curves.
 """
 
@@ -17,26 +19,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
-import numpy as np
-
-from benchmarks.replay import load_records, measured_step_costs, replay_config
+from benchmarks.replay import load_records, replay_config
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.bench.verify_cost import calibrated_options
 from vllm_retrieval_spec.config import ACCELERATOR_DEFAULTS
 
-#: Draft lengths the fitted per-token cost is taken over: what chains of our methods verify.
-FIT_LENGTHS = range(0, 17)
+#: The longest draft the calibration reads: what chains of our methods verify.
+CHAIN_LENGTHS = 16
 
 
-def fitted_draft_token_cost(curve: list[float]) -> float:
-    """The least-squares slope of step time against draft length over ``FIT_LENGTHS``, as a
-    fraction of a step without a draft (the accelerator's ``draft_token_cost``)."""
-    lengths = np.array([d for d in FIT_LENGTHS if d < len(curve)], dtype=np.float64)
-    times = np.array([curve[int(d)] for d in lengths])
-    slope = np.polyfit(lengths, times, 1)[0]
-    return round(max(float(slope), 0.0) / curve[0], 4)
+def chain_calibration(path: str) -> dict[str, float | int]:
+    """``calibrated_options`` of the chain curve's shortest context (the one replay reads),
+    over draft lengths up to ``CHAIN_LENGTHS``."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    shortest = min(row["context_tokens"] for row in rows)
+    return calibrated_options([row for row in rows if row["context_tokens"] == shortest],
+                              max_draft_len=CHAIN_LENGTHS)
 
 
 def method_configs(k: int, tree_k: int, rest_datastore: str | None) -> dict[str, dict]:
@@ -54,10 +57,12 @@ def method_configs(k: int, tree_k: int, rest_datastore: str | None) -> dict[str,
 
 
 def modelled_rows(records: list[dict[str, Any]], configs: dict[str, dict], chain_cost: str,
-                  tree_cost: str) -> tuple[list[dict[str, Any]], float]:
-    """One row per task and method, and the fitted draft-token cost."""
-    draft_token_cost = fitted_draft_token_cost(measured_step_costs(chain_cost, 16))
-    platform = dataclasses.replace(ACCELERATOR_DEFAULTS, draft_token_cost=draft_token_cost)
+                  tree_cost: str) -> tuple[list[dict[str, Any]], dict[str, float | int]]:
+    """One row per task and method, and the options the chain curve implies."""
+    calibrated = chain_calibration(chain_cost)
+    platform = dataclasses.replace(ACCELERATOR_DEFAULTS,
+                                   draft_token_cost=calibrated["draft_token_cost"],
+                                   min_draft_len=calibrated["min_draft_len"])
     rows = []
     for task in sorted({r.get("task", "code-gen") for r in records}):
         ours = [r for r in records if r.get("task", "code-gen") == task]
@@ -71,7 +76,7 @@ def modelled_rows(records: list[dict[str, Any]], configs: dict[str, dict], chain
         for row in rows:
             if row["task"] == task:
                 row["vs_suffix"] = round(row["modeled_speedup"] / suffix["modeled_speedup"], 3)
-    return rows, draft_token_cost
+    return rows, calibrated
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,17 +92,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tree-k", type=int, default=64, help="nodes of hybrid's trees at most")
     args = parser.parse_args(argv)
     records = [r for path in args.outputs for r in load_records(path)]
-    rows, draft_token_cost = modelled_rows(
+    rows, calibrated = modelled_rows(
         records, method_configs(args.k, args.tree_k, args.rest_datastore), args.chain_cost,
         args.tree_cost)
     results = results_document(args.run_name, module_command("benchmarks.modelled_gpu", argv),
                                rows, model="SmolLM2-135M-Instruct (recorded outputs)",
                                modelled=True, chain_cost=args.chain_cost,
                                tree_cost=args.tree_cost,
-                               fitted_draft_token_cost=draft_token_cost)
+                               calibrated_options=calibrated)
     body = [f"Modelled, not measured in an engine: tokens per forward replayed from recorded "
             f"outputs, step times from `{args.chain_cost}` and `{args.tree_cost}`; our methods "
-            f"at the accelerator's defaults with draft_token_cost {draft_token_cost} (fitted).",
+            f"at the accelerator's defaults with draft_token_cost "
+            f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}.",
+            "", f"What the chain curve implies (`vllm-rsd calibrate`'s rules, draft lengths up "
+            f"to {CHAIN_LENGTHS}): `{json.dumps(calibrated)}`.",
             "", *markdown_table([("task", "task"), ("method", "method"),
                                  ("modelled speedup", "modeled_speedup"),
                                  ("vs suffix", "vs_suffix"),

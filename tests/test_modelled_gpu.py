@@ -7,13 +7,19 @@ import json
 
 import pytest
 
-from benchmarks.modelled_gpu import fitted_draft_token_cost, main
+from benchmarks.modelled_gpu import chain_calibration, main
 
 
-def test_the_fitted_cost_is_the_slope_per_step_without_a_draft():
-    assert fitted_draft_token_cost([10.0 + 0.2 * d for d in range(65)]) == 0.02
-    # Only the lengths chains verify (0..16) count; a flat curve costs nothing.
-    assert fitted_draft_token_cost([5.0] * 17 + [50.0] * 48) == 0.0
+def test_the_chain_curve_is_calibrated_at_its_shortest_context_up_to_chain_lengths(tmp_path):
+    # 0.1 ms a token up to 16 at context 512; beyond 16, and at 2048, far costlier steps that
+    # would change every option if they were read.
+    times = {**{d: 10.0 + 0.1 * d for d in (0, 1, 2, 4, 8, 16)}, 32: 30.0, 64: 60.0}
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps({"rows": [
+        {"context_tokens": context, "draft_len": d, "ms_per_step_median": t * context / 512}
+        for context in (2048, 512) for d, t in times.items()]}))
+    assert chain_calibration(str(path)) == {"draft_token_cost": 0.01, "min_draft_len": 1,
+                                            "draft_budget_ms": 0.7}
 
 
 def write_curve(path, times):
@@ -29,12 +35,15 @@ def test_every_method_beside_suffix_per_task(tmp_path):
                for task in ("code-gen", "chat") for _ in range(2)]
     outputs = tmp_path / "run.plain.jsonl"
     outputs.write_text("".join(json.dumps(r) + "\n" for r in records))
-    chain = write_curve(tmp_path / "chain.json", {0: 10.0, 1: 10.1, 16: 11.6, 64: 16.4})
+    chain = write_curve(tmp_path / "chain.json",
+                        {0: 10.0, 1: 10.1, 2: 10.2, 16: 11.6, 64: 16.4})
     tree = write_curve(tmp_path / "tree.json", {0: 10.0, 1: 10.2, 16: 12.0, 64: 20.0})
     main([str(outputs), "--chain-cost", chain, "--tree-cost", tree, "--run-name", "modelled",
           "--out-dir", str(tmp_path), "-k", "8", "--tree-k", "16"])
     results = json.loads((tmp_path / "modelled.json").read_text())
-    assert results["modelled"] is True and results["fitted_draft_token_cost"] == 0.01
+    assert results["modelled"] is True
+    assert results["calibrated_options"] == {"draft_token_cost": 0.01, "min_draft_len": 1,
+                                             "draft_budget_ms": 0.7}
     assert [(r["task"], r["method"]) for r in results["rows"]] == [
         (task, method) for task in ("chat", "code-gen")
         for method in ("ngram", "suffix", "pld", "hybrid", "hybrid/tree")]
@@ -47,6 +56,7 @@ def test_every_method_beside_suffix_per_task(tmp_path):
     assert pld["tokens_per_forward"] > 1.5 and pld["modeled_speedup"] > 1.2
     page = (tmp_path / "modelled.md").read_text()
     assert "Modelled, not measured" in page and "| chat | hybrid/tree |" in page
+    assert '"min_draft_len": 1' in page
 
 
 def test_a_tree_curve_is_required(tmp_path):

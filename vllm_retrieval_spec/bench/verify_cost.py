@@ -84,17 +84,22 @@ ANOMALY_TOLERANCE = 0.10
 BUDGET_SHARE = 0.07
 
 
-def calibrated_options(rows: list[dict[str, Any]]) -> dict[str, float | int]:
+def calibrated_options(rows: list[dict[str, Any]], max_draft_len: int | None = None,
+                       ) -> dict[str, float | int]:
     """The speculative_config options that ``measure``'s step times imply for this machine.
 
     - ``draft_token_cost``: the least-squares slope of step time over draft length (lengths 2
-      and up, every context), as a share of the step without draft.
+      and up, every context), as a share of the step without draft. Lengths past
+      ``max_draft_len`` are left out: a GPU's curve is flat for the lengths chains verify and
+      bends only beyond them, where a line through both fits neither.
     - ``min_draft_len``: the shortest length from which no measured length is more than
       ``ANOMALY_TOLERANCE`` slower than that line (vLLM-CPU verifies 1 token slower than 8).
     - ``draft_budget_ms``: ``BUDGET_SHARE`` of the step without draft.
     """
     by_length: dict[int, list[float]] = {}
     for row in rows:
+        if max_draft_len is not None and row["draft_len"] > max_draft_len:
+            continue
         by_length.setdefault(row["draft_len"], []).append(row["ms_per_step_median"])
     if 0 not in by_length or len([d for d in by_length if d >= 2]) < 2:
         raise ValueError("calibration needs draft length 0 and at least two lengths of 2 or "
