@@ -23,6 +23,10 @@ server restarts on the directory; it must load, and draft (accepted tokens, `vll
 tokens per forward) a duplicate prompt only the first server served, beside a control prompt
 no server served.
 
+`--peer ngram` sends the same traffic, for as long, to vLLM's own `ngram` instead (no served
+store, so no kill and restart): what the engine's memory does under this traffic without our
+drafter.
+
 Results: `<run>.json` (the schema's header, the checks, and one row per sample: `t_s`,
 `rss_mib`, split as `rss_server_mib` (the API server) and `rss_engine_mib` (its children: the
 engine and its worker, where the drafter runs), `served_store_tokens`, `requests`) and
@@ -68,6 +72,9 @@ KINDS = {"greedy": 4, "sampled": 3, "duplicate": 2, "malformed": 1, "cancelled":
 MALFORMED = [b"{not json", {"max_tokens": -5}, {"temperature": -1.0}, {"n": 0},
              {"prompt": [10 ** 9]}]
 REQUEST_TIMEOUT_S = 300.0
+#: ``--peer``: vLLM's own drafters, as ``vllm-rsd bench`` runs them.
+PEER_SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 8,
+                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
 
 
 @dataclass
@@ -404,20 +411,65 @@ def served_drafts(port: int, model: str, prompt: list[int], max_tokens: int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    directory = Path(tempfile.mkdtemp(prefix="soak-served-"))
-    spec = {"method": "hybrid", "num_speculative_tokens": 8, "served_datastore": str(directory),
-            "served_flush_ms": args.flush_ms, "served_save_minutes": args.save_minutes,
-            "served_max_tokens": args.served_max_tokens}
     log = Path(args.output_dir) / f"{args.run_name}.log"
     log.unlink(missing_ok=True)
-    try:
-        checks, rows = soak_kill_restart(args, spec, directory, log)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    if args.peer:
+        checks, rows = peer_soak(args, PEER_SPECS[args.peer], log)
+    else:
+        directory = Path(tempfile.mkdtemp(prefix="soak-served-"))
+        spec = {"method": "hybrid", "num_speculative_tokens": 8,
+                "served_datastore": str(directory), "served_flush_ms": args.flush_ms,
+                "served_save_minutes": args.save_minutes,
+                "served_max_tokens": args.served_max_tokens}
+        try:
+            checks, rows = soak_kill_restart(args, spec, directory, log)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
     checks["passed"] = passed(checks)
     return results_document(args.run_name, module_command("benchmarks.soak", args.argv),
                             rows, model=Path(args.model).name, vllm=vllm_version(),
                             checks=checks)
+
+
+def serve_traffic(args: argparse.Namespace, server: Server, prompts: dict[str, list[list[int]]],
+                  ) -> tuple[Traffic, Sampler, float]:
+    """Traffic at ``server`` once healthy, for ``--minutes``, its RSS sampled; the traffic goes
+    on (whoever called stops or kills the server). Also the start time."""
+    server.wait_healthy()
+    started = time.monotonic()
+    traffic = Traffic(server.port, args.model, prompts, args.concurrency, args.max_requests,
+                      args.max_tokens, args.seed).start()
+    sampler = Sampler(server, traffic, started)
+    sampler.start()
+    deadline = started + 60 * args.minutes
+    while time.monotonic() < deadline and traffic.running():
+        time.sleep(1.0)
+    sampler.stop.set()
+    sampler.join()
+    return traffic, sampler, started
+
+
+def rss_checks(rows: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
+    return {"rss_window_s": window_s, "rss_growth": round(rss_growth(rows, window_s), 4),
+            "rss_mib_first": rows[0]["rss_mib"], "rss_mib_last": rows[-1]["rss_mib"],
+            "rss_engine_mib_first": rows[0]["rss_engine_mib"],
+            "rss_engine_mib_last": rows[-1]["rss_engine_mib"]}
+
+
+def peer_soak(args: argparse.Namespace, spec: dict[str, Any], log: Path,
+              ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The soak's traffic at vLLM's own drafter: its errors, outputs and RSS."""
+    prompts = load_prompts(args.model)
+    server = Server(args.model, spec, log)
+    try:
+        traffic, sampler, started = serve_traffic(args, server, prompts)
+        checks = {"soaked_s": round(time.monotonic() - started, 1),
+                  **summarize_traffic(list(traffic.outcomes)), "peer": spec}
+        traffic.stop.set()
+    finally:
+        server.stop()
+    traffic.join()
+    return {**checks, **rss_checks(sampler.rows, args.rss_window_s)}, sampler.rows
 
 
 def soak_kill_restart(args: argparse.Namespace, spec: dict[str, Any], directory: Path,
@@ -426,17 +478,7 @@ def soak_kill_restart(args: argparse.Namespace, spec: dict[str, Any], directory:
     prompts = load_prompts(args.model)
     server = Server(args.model, spec, log)
     try:
-        server.wait_healthy()
-        started = time.monotonic()
-        traffic = Traffic(server.port, args.model, prompts, args.concurrency,
-                          args.max_requests, args.max_tokens, args.seed).start()
-        sampler = Sampler(server, traffic, started)
-        sampler.start()
-        deadline = started + 60 * args.minutes
-        while time.monotonic() < deadline and traffic.running():
-            time.sleep(1.0)
-        sampler.stop.set()
-        sampler.join()
+        traffic, sampler, started = serve_traffic(args, server, prompts)
         soak = summarize_traffic(list(traffic.outcomes))
         soaked_s = time.monotonic() - started
         final = metrics(server.port)
@@ -465,9 +507,7 @@ def soak_kill_restart(args: argparse.Namespace, spec: dict[str, Any], directory:
         **soak,
         "served_max_tokens": args.served_max_tokens,
         "served_store_tokens_max": max((r["served_store_tokens"] or 0 for r in rows), default=0),
-        "rss_window_s": args.rss_window_s,
-        "rss_growth": round(rss_growth(rows, args.rss_window_s), 4),
-        "rss_mib_first": rows[0]["rss_mib"], "rss_mib_last": rows[-1]["rss_mib"],
+        **rss_checks(rows, args.rss_window_s),
         "failed_drafts": sum(v for k, v in final.items()
                              if k.startswith("vllm_rsd:failed_drafts")),
         "kill_after_s": round(killed_at - started, 1),
@@ -484,12 +524,18 @@ def soak_kill_restart(args: argparse.Namespace, spec: dict[str, Any], directory:
 
 
 def passed(c: dict[str, Any]) -> dict[str, bool]:
-    return {
+    """Every criterion of these checks; a peer's run (no served store) has the first four."""
+    traffic = {
         "no_errors": c["num_errors"] == 0,
         "malformed_refused": c["malformed_400"] == c["requests"].get("malformed", 0),
         "duplicates_identical": all(n == 1 for n in c["duplicate_outputs"].values()),
-        "store_bounded": c["served_store_tokens_max"] <= c["served_max_tokens"],
         "rss_flat": c["rss_growth"] < 0.05,
+    }
+    if "peer" in c:
+        return traffic
+    return {
+        **traffic,
+        "store_bounded": c["served_store_tokens_max"] <= c["served_max_tokens"],
         "nothing_lost": c["lost"]["missing"] == 0 and c["lost"]["checked"] > 0,
         "restart_loads": c["restart_loaded_tokens"] >= c["stored_tokens_after_kill"] > 0,
         "restart_drafts_from_first": c["restart_duplicate_equal"] and (
@@ -511,33 +557,42 @@ def vllm_version() -> str:
 
 def report(results: dict[str, Any], output_dir: str) -> None:
     c = results["checks"]
-    body = [
-        f"{c['soaked_s']:.0f} s at the traffic below, then `kill -9` of the server's tree "
-        f"{c['kill_after_s']:.0f} s in, and a restart on the same directory.", "",
-        "| check | value | passed |", "|---|---|---|",
-        f"| errors (but the malformed requests' 400s) | {c['num_errors']} | "
-        f"{c['passed']['no_errors']} |",
+    ok = c["passed"]
+    if "peer" in c:
+        opening = (f"{c['soaked_s']:.0f} s of the soak's traffic at vLLM's own drafter "
+                   f"(`{json.dumps(c['peer'])}`): no served store, no kill.")
+    else:
+        opening = (f"{c['soaked_s']:.0f} s at the traffic below, then `kill -9` of the server's "
+                   f"tree {c['kill_after_s']:.0f} s in, and a restart on the same directory.")
+    lines = [
+        f"| errors (but the malformed requests' 400s) | {c['num_errors']} | {ok['no_errors']} |",
         f"| malformed requests refused with 400 | {c['malformed_400']} of "
-        f"{c['requests'].get('malformed', 0)} | {c['passed']['malformed_refused']} |",
+        f"{c['requests'].get('malformed', 0)} | {ok['malformed_refused']} |",
         f"| distinct outputs per duplicate greedy prompt | {c['duplicate_outputs']} | "
-        f"{c['passed']['duplicates_identical']} |",
-        f"| served-store tokens, most sampled (bound) | {c['served_store_tokens_max']} "
-        f"({c['served_max_tokens']}) | {c['passed']['store_bounded']} |",
+        f"{ok['duplicates_identical']} |",
         f"| RSS growth over the last {c['rss_window_s']:.0f} s | "
         f"{100 * c['rss_growth']:.2f}% ({c['rss_mib_first']} MiB at the first sample, "
-        f"{c['rss_mib_last']} at the last) | {c['passed']['rss_flat']} |",
-        f"| requests done more than {c['flush_s']} s before the kill, missing after it | "
-        f"{c['lost']['missing']} of {c['lost']['checked']} | {c['passed']['nothing_lost']} |",
-        f"| tokens on disk after the kill ({c['stored_requests_after_kill']} requests) / "
-        f"loaded by the restarted server | {c['stored_tokens_after_kill']} / "
-        f"{c['restart_loaded_tokens']:.0f} | {c['passed']['restart_loads']} |",
-        f"| restarted server, tokens per forward: a duplicate only the first served / a "
-        f"control prompt | {c['restart_duplicate_tokens_per_forward']} / "
-        f"{c['restart_control_tokens_per_forward']} (same output: "
-        f"{c['restart_duplicate_equal']}) | {c['passed']['restart_drafts_from_first']} |",
+        f"{c['rss_mib_last']} at the last; the engine {c['rss_engine_mib_first']} and "
+        f"{c['rss_engine_mib_last']}) | {ok['rss_flat']} |"]
+    if "peer" not in c:
+        lines += [
+            f"| served-store tokens, most sampled (bound) | {c['served_store_tokens_max']} "
+            f"({c['served_max_tokens']}) | {ok['store_bounded']} |",
+            f"| requests done more than {c['flush_s']} s before the kill, missing after it | "
+            f"{c['lost']['missing']} of {c['lost']['checked']} | {ok['nothing_lost']} |",
+            f"| tokens on disk after the kill ({c['stored_requests_after_kill']} requests) / "
+            f"loaded by the restarted server | {c['stored_tokens_after_kill']} / "
+            f"{c['restart_loaded_tokens']:.0f} | {ok['restart_loads']} |",
+            f"| restarted server, tokens per forward: a duplicate only the first served / a "
+            f"control prompt | {c['restart_duplicate_tokens_per_forward']} / "
+            f"{c['restart_control_tokens_per_forward']} (same output: "
+            f"{c['restart_duplicate_equal']}) | {ok['restart_drafts_from_first']} |"]
+    drafts = "" if "peer" in c else f"; failed drafts: {c['failed_drafts']:.0f}"
+    body = [
+        opening, "", "| check | value | passed |", "|---|---|---|", *lines,
         "", f"Requests: {c['requests']} ({c['streamed']} streamed); latency p50 "
         f"{c['latency_p50_s']} s, p99 {c['latency_p99_s']} s (completed greedy, sampled and "
-        f"duplicate requests); failed drafts: {c['failed_drafts']:.0f}.", "",
+        f"duplicate requests){drafts}.", "",
         *markdown_table([("t (s)", "t_s"), ("RSS (MiB)", "rss_mib"),
                          ("API server", "rss_server_mib"), ("engine", "rss_engine_mib"),
                          ("served-store tokens", "served_store_tokens"),
@@ -567,6 +622,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recent-s", type=float, default=60.0,
                    help="requests done this recently before the kill must all be stored")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer", choices=sorted(PEER_SPECS),
+                   help="the same traffic at this vLLM drafter instead (no store, no kill)")
     p.add_argument("--run-name", default="soak")
     p.add_argument("--output-dir", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.soak import Outcome, lost_requests, rss_growth, stored_documents, summarize_traffic
+from benchmarks.soak import (
+    PEER_SPECS, Outcome, lost_requests, passed, report, rss_checks, rss_growth, stored_documents,
+    summarize_traffic)
+from vllm_retrieval_spec.bench.report import results_document
 from vllm_retrieval_spec.datastore.journal import TokenizerFacts
 from vllm_retrieval_spec.datastore.served import ServedStore
 from vllm_retrieval_spec.datastore.served_saver import ServedDirectory
@@ -40,6 +43,26 @@ def test_rss_growth_compares_the_ends_of_the_window():
     rows = [{"t_s": 10.0 * i, "rss_mib": 100.0 + (i >= 15) * 5} for i in range(20)]
     assert round(rss_growth(rows, 95.0), 3) == 0.05
     assert rss_growth(rows, 40.0) == 0.0
+
+
+def test_a_peers_run_is_judged_on_its_traffic_and_memory_alone(tmp_path):
+    rows = [{"t_s": 10.0 * i, "rss_mib": 100.0 + i, "rss_server_mib": 40.0,
+             "rss_engine_mib": 60.0 + i, "served_store_tokens": None, "requests": i}
+            for i in range(40)]
+    outcomes = [done("greedy", 1), done("malformed", 2, status=400),
+                done("duplicate", 3, duplicate=0), done("duplicate", 4, duplicate=0)]
+    checks = {"soaked_s": 400.0, **summarize_traffic(outcomes), "peer": PEER_SPECS["ngram"],
+              **rss_checks(rows, 300.0)}
+    checks["passed"] = passed(checks)
+    assert checks["passed"] == {"no_errors": True, "malformed_refused": True,
+                                "duplicates_identical": True, "rss_flat": False}
+    assert (checks["rss_engine_mib_first"], checks["rss_engine_mib_last"]) == (60.0, 99.0)
+    report(results_document("peer", "python -m benchmarks.soak --peer ngram", rows,
+                            checks=checks), str(tmp_path))
+    page = (tmp_path / "peer.md").read_text()
+    assert "vLLM's own drafter" in page and '"method": "ngram"' in page
+    assert "the engine 60.0 and 99.0" in page
+    assert "served-store tokens, most sampled" not in page and "restarted server" not in page
 
 
 def test_stored_documents_are_what_a_replica_loads(tmp_path):
