@@ -4,7 +4,7 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 
     python -m benchmarks.modelled_gpu benchmarks/results/padded-drafts-30-prompts.plain.jsonl \
         --chain-cost CHAIN.json --tree-cost TREE.json --run-name modelled-gpu-h100 \
-        [--rest-datastore DIR]
+        [--datastore DIR]
 
 ``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 from benchmarks.replay import load_records, replay_config
@@ -42,17 +43,21 @@ def chain_calibration(path: str) -> dict[str, float | int]:
                               max_draft_len=CHAIN_LENGTHS)
 
 
-def method_configs(k: int, tree_k: int, rest_datastore: str | None) -> dict[str, dict]:
-    """The rows' names and speculative configs: vLLM's two, then ours."""
+def method_configs(k: int, tree_k: int, datastore: str | None) -> dict[str, dict]:
+    """The rows' names and speculative configs: vLLM's two, then ours; with a datastore also
+    ``rest`` on it and ``hybrid`` with it among its sources (``hybrid:NAME``, as ``vllm-rsd
+    bench`` names the row)."""
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": k},
                "suffix": {"method": "suffix"},
                "pld": {"method": "pld", "num_speculative_tokens": k}}
-    if rest_datastore:
-        configs["rest"] = {"method": "rest", "num_speculative_tokens": k,
-                           "datastore": rest_datastore}
-    configs["hybrid"] = {"method": "hybrid", "num_speculative_tokens": k}
-    configs["hybrid/tree"] = {"method": "hybrid", "num_speculative_tokens": tree_k,
-                              "tree": "on"}
+    hybrids = {"hybrid": {}}
+    if datastore:
+        configs["rest"] = {"method": "rest", "num_speculative_tokens": k, "datastore": datastore}
+        hybrids[f"hybrid:{Path(datastore).name}"] = {"datastore": datastore}
+    for name, sources in hybrids.items():
+        configs[name] = {"method": "hybrid", "num_speculative_tokens": k, **sources}
+        configs[f"{name}/tree"] = {"method": "hybrid", "num_speculative_tokens": tree_k,
+                                   "tree": "on", **sources}
     return configs
 
 
@@ -87,13 +92,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tree-cost", required=True, help="step times verifying trees")
     parser.add_argument("--run-name", required=True)
     parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--rest-datastore", help="a build-datastore directory for the rest row")
+    parser.add_argument("--datastore", help="a build-datastore directory: a rest row on it, and "
+                                            "hybrid's rows again with it")
     parser.add_argument("-k", type=int, default=32, help="num_speculative_tokens of chains")
     parser.add_argument("--tree-k", type=int, default=64, help="nodes of hybrid's trees at most")
     args = parser.parse_args(argv)
     records = [r for path in args.outputs for r in load_records(path)]
     rows, calibrated = modelled_rows(
-        records, method_configs(args.k, args.tree_k, args.rest_datastore), args.chain_cost,
+        records, method_configs(args.k, args.tree_k, args.datastore), args.chain_cost,
         args.tree_cost)
     results = results_document(args.run_name, module_command("benchmarks.modelled_gpu", argv),
                                rows, model="SmolLM2-135M-Instruct (recorded outputs)",

@@ -4,6 +4,7 @@ curves, on tiny records."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,28 @@ def test_every_method_beside_suffix_per_task(tmp_path):
     page = (tmp_path / "modelled.md").read_text()
     assert "Modelled, not measured" in page and "| chat | hybrid/tree |" in page
     assert '"min_draft_len": 1' in page
+
+
+def test_a_datastore_adds_rest_and_hybrid_with_it(tmp_path, code_datastore, tokenizer):
+    import sysconfig
+
+    # Two stretches of json/encoder.py, in the datastore: drafted from it, not from a context.
+    source = Path(sysconfig.get_paths()["stdlib"], "json", "encoder.py").read_text()
+    ids = tokenizer.encode(source)
+    records = [{"task": "code-gen", "prompt": [1, 2, 3], "output": ids[start:start + 150]}
+               for start in (0, 600)]
+    outputs = tmp_path / "run.plain.jsonl"
+    outputs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    chain = write_curve(tmp_path / "chain.json", {0: 10.0, 2: 10.2, 16: 11.6, 64: 16.4})
+    main([str(outputs), "--chain-cost", chain, "--tree-cost", chain, "--run-name", "m",
+          "--out-dir", str(tmp_path), "-k", "8", "--tree-k", "16",
+          "--datastore", code_datastore])
+    rows = {r["method"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
+    name = Path(code_datastore).name
+    assert list(rows) == ["ngram", "suffix", "pld", "rest", "hybrid", "hybrid/tree",
+                          f"hybrid:{name}", f"hybrid:{name}/tree"]
+    assert rows[f"hybrid:{name}/tree"]["config"]["datastore"] == code_datastore
+    assert rows[f"hybrid:{name}"]["tokens_per_forward"] > rows["hybrid"]["tokens_per_forward"]
 
 
 def test_a_tree_curve_is_required(tmp_path):
