@@ -54,9 +54,8 @@ def journaled_hybrid(directory: Path, max_tokens: int, save_minutes: float) -> R
 def serve(proposer: RetrievalProposer, req_id: str, prompt: list[int], output: list[int],
           tokens_per_step: int) -> None:
     """One request through the proposer as vLLM's steps hand it over."""
-    sequence = np.array(prompt + output, dtype=np.int32)
-    token_ids = np.zeros((1, len(sequence)), dtype=np.int32)
-    token_ids[0] = sequence
+    token_ids = np.array([prompt + output], dtype=np.int32)
+    sequence = token_ids[0]
     proposer.observe_batch([req_id])
     for end in range(len(prompt) + 1, len(sequence) + 1, tokens_per_step):
         sampled = sequence[max(len(prompt), end - tokens_per_step):end].tolist()
