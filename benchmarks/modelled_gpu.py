@@ -4,7 +4,7 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 
     python -m benchmarks.modelled_gpu benchmarks/results/padded-drafts-30-prompts.plain.jsonl \
         --chain-cost CHAIN.json --tree-cost TREE.json --run-name modelled-gpu-h100 \
-        [--datastore DIR]
+        [--datastore DIR ...]
 
 ``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
@@ -43,17 +43,17 @@ def chain_calibration(path: str) -> dict[str, float | int]:
                               max_draft_len=CHAIN_LENGTHS)
 
 
-def method_configs(k: int, tree_k: int, datastore: str | None) -> dict[str, dict]:
-    """The rows' names and speculative configs: vLLM's two, then ours; with a datastore also
-    ``rest`` on it and ``hybrid`` with it among its sources (``hybrid:NAME``, as ``vllm-rsd
-    bench`` names the row)."""
+def method_configs(k: int, tree_k: int, datastores: list[str]) -> dict[str, dict]:
+    """The rows' names and speculative configs: vLLM's two, then ours; per datastore also
+    ``rest`` on it and ``hybrid`` with it among its sources (``rest:NAME``, ``hybrid:NAME``, as
+    ``vllm-rsd bench`` names the rows)."""
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": k},
                "suffix": {"method": "suffix"},
                "pld": {"method": "pld", "num_speculative_tokens": k}}
-    hybrids = {"hybrid": {}}
-    if datastore:
-        configs["rest"] = {"method": "rest", "num_speculative_tokens": k, "datastore": datastore}
-        hybrids[f"hybrid:{Path(datastore).name}"] = {"datastore": datastore}
+    for datastore in datastores:
+        configs[f"rest:{Path(datastore).name}"] = {"method": "rest", "num_speculative_tokens": k,
+                                                   "datastore": datastore}
+    hybrids = {"hybrid": {}, **{f"hybrid:{Path(d).name}": {"datastore": d} for d in datastores}}
     for name, sources in hybrids.items():
         configs[name] = {"method": "hybrid", "num_speculative_tokens": k, **sources}
         configs[f"{name}/tree"] = {"method": "hybrid", "num_speculative_tokens": tree_k,
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tree-cost", required=True, help="step times verifying trees")
     parser.add_argument("--run-name", required=True)
     parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--datastore", help="a build-datastore directory: a rest row on it, and "
-                                            "hybrid's rows again with it")
+    parser.add_argument("--datastore", action="append", default=[],
+                        help="a build-datastore directory: a rest row on it, and hybrid's rows "
+                             "again with it (repeatable)")
     parser.add_argument("-k", type=int, default=32, help="num_speculative_tokens of chains")
     parser.add_argument("--tree-k", type=int, default=64, help="nodes of hybrid's trees at most")
     args = parser.parse_args(argv)

@@ -76,7 +76,7 @@ def test_a_datastore_adds_rest_and_hybrid_with_it(tmp_path, code_datastore, toke
           "--datastore", code_datastore])
     rows = {r["method"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
     name = Path(code_datastore).name
-    assert list(rows) == ["ngram", "suffix", "pld", "rest", "hybrid", "hybrid/tree",
+    assert list(rows) == ["ngram", "suffix", "pld", f"rest:{name}", "hybrid", "hybrid/tree",
                           f"hybrid:{name}", f"hybrid:{name}/tree"]
     assert rows[f"hybrid:{name}/tree"]["config"]["datastore"] == code_datastore
     assert rows[f"hybrid:{name}"]["tokens_per_forward"] > rows["hybrid"]["tokens_per_forward"]
