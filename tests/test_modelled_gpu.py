@@ -58,6 +58,10 @@ def test_every_method_beside_suffix_per_task(tmp_path):
     page = (tmp_path / "modelled.md").read_text()
     assert "Modelled, not measured" in page and "| chat | hybrid/tree |" in page
     assert '"min_draft_len": 1' in page
+    suffix = {r["task"]: r["modeled_speedup"] for r in results["rows"] if r["method"] == "suffix"}
+    assert "| method | chat | code-gen |" in page
+    assert (f"| suffix | {suffix['chat']:.2f}x (1.00) | {suffix['code-gen']:.2f}x (1.00) |"
+            in page)
 
 
 def test_a_datastore_adds_rest_and_hybrid_with_it(tmp_path, code_datastore, tokenizer):
