@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.replay import load_records, replay_config
+from benchmarks.replay import load_records, replay_config, shortest_context_rows
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.bench.verify_cost import calibrated_options
@@ -36,11 +36,7 @@ CHAIN_LENGTHS = 16
 def chain_calibration(path: str) -> dict[str, float | int]:
     """``calibrated_options`` of the chain curve's shortest context (the one replay reads),
     over draft lengths up to ``CHAIN_LENGTHS``."""
-    with open(path) as f:
-        rows = json.load(f)["rows"]
-    shortest = min(row["context_tokens"] for row in rows)
-    return calibrated_options([row for row in rows if row["context_tokens"] == shortest],
-                              max_draft_len=CHAIN_LENGTHS)
+    return calibrated_options(shortest_context_rows(path), max_draft_len=CHAIN_LENGTHS)
 
 
 def method_configs(k: int, tree_k: int, datastores: list[str]) -> dict[str, dict]:

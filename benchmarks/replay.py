@@ -84,14 +84,20 @@ def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[dict[s
             for values in itertools.product(*(grid[name] for name in names))]
 
 
-def measured_step_costs(path: str, k: int) -> list[float]:
-    """Step time for 0..k draft tokens from a ``verify_cost`` results file: its shortest
-    context's medians, linear between the measured lengths and along the last two beyond."""
+def shortest_context_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a ``verify_cost`` results file at its shortest context: the curve replay
+    models steps with."""
     with open(path) as f:
         rows = json.load(f)["rows"]
     shortest = min(row["context_tokens"] for row in rows)
-    points = sorted((row["draft_len"], row["ms_per_step_median"]) for row in rows
-                    if row["context_tokens"] == shortest)
+    return [row for row in rows if row["context_tokens"] == shortest]
+
+
+def measured_step_costs(path: str, k: int) -> list[float]:
+    """Step time for 0..k draft tokens from a ``verify_cost`` results file: its shortest
+    context's medians, linear between the measured lengths and along the last two beyond."""
+    points = sorted((row["draft_len"], row["ms_per_step_median"])
+                    for row in shortest_context_rows(path))
     if len(points) < 2 or points[0][0] != 0:
         raise ValueError(f"{path}: needs the step time with no draft and at least one other "
                          f"length, got draft lengths {[d for d, _ in points]}")
