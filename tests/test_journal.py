@@ -3,6 +3,7 @@ one directory, compaction, retention, purges, file modes, what cut-off writes le
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -10,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from vllm_retrieval_spec.datastore import journal
 from vllm_retrieval_spec.datastore.format import DatastoreError
 from vllm_retrieval_spec.datastore.journal import (
     NO_KEY, CompactionLock, JournalReader, JournalWriter, Record, TokenizerFacts,
@@ -113,6 +115,49 @@ def test_a_writer_whose_segment_was_deleted_starts_another(tmp_path):
     assert [r.doc_id for r in JournalReader(tmp_path, "x", {}).poll()] == [2]
 
 
+class OsFailingAt:
+    """``os`` for the journal module, but for one call that fails."""
+
+    def __init__(self, name, failure):
+        self.name, self.failure = name, failure
+
+    def __getattr__(self, attr):
+        return self.failure if attr == self.name else getattr(os, attr)
+
+
+def half_a_write_then_a_full_disk(fd, data):
+    os.write(fd, data[:len(data) // 2])
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def a_failed_fsync(fd):
+    raise OSError(errno.EIO, "Input/output error")
+
+
+@pytest.mark.parametrize("call, failure", [("write", half_a_write_then_a_full_disk),
+                                           ("fsync", a_failed_fsync)])
+def test_a_failed_write_leaves_nothing_torn_before_the_next_batch(tmp_path, monkeypatch,
+                                                                  caplog, call, failure):
+    writer = JournalWriter(tmp_path, "r", 1.0, background=False)
+    writer.append(record(1, [5, 6]))
+    writer.flush()
+    writer.append(record(2, [7]))
+    with monkeypatch.context() as patch, caplog.at_level(logging.ERROR):
+        patch.setattr(journal, "os", OsFailingAt(call, failure))
+        writer.flush()  # serving goes on: record 2 stays in memory for the next snapshot
+    assert "could not write 1 records to the journal" in caplog.text
+    writer.append(record(3, [8]))
+    writer.flush()
+    files = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    assert files == {"journal-r.0.sealed": writer.flushed_sizes()["journal-r.0"],
+                     "journal-r.1": writer.flushed_sizes()["journal-r.1"]}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert [r.doc_id for r in JournalReader(tmp_path, "other", {}).poll(
+            time.time() + 3600)] == [1, 3]
+    assert "unreadable" not in caplog.text
+
+
 def test_torn_and_corrupt_tails_are_skipped_with_one_warning(tmp_path, caplog):
     good = encode_record(record(1, [5, 6]))
     (tmp_path / "journal-a.0").write_bytes(good + encode_record(record(2, [7, 8]))[:-3])
@@ -205,6 +250,21 @@ def test_compaction_with_several_writers_loses_and_duplicates_nothing(tmp_path):
     assert len(list_snapshots(tmp_path)) == 2
     d = replica(tmp_path, "h-4-d")
     assert stored(d) == [[1, 1], [2, 2], [3, 3], [4, 4], [5, 5]]
+
+
+def test_a_request_whose_journal_write_failed_reaches_the_next_snapshot(tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", [1, 1])
+    a.writer.flush()
+    serve(a, "2", [2, 2])
+    with monkeypatch.context() as patch:
+        patch.setattr(journal, "os", OsFailingAt("write", half_a_write_then_a_full_disk))
+        a.writer.flush()
+    serve(a, "3", [3, 3])
+    a.writer.flush()
+    assert stored(replica(tmp_path, "h-2-b")) == [[1, 1], [3, 3]]
+    a.compact(force=True)
+    assert stored(replica(tmp_path, "h-3-c")) == [[1, 1], [2, 2], [3, 3]]
 
 
 def test_a_snapshot_that_does_not_load_falls_back_to_the_one_before(tmp_path, caplog):

@@ -20,6 +20,7 @@ is read of that segment, with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -215,7 +216,6 @@ class JournalWriter:
         self._path: Path | None = None
         #: Bytes written to each of this replica's segments (the current one last).
         self.sizes: dict[str, int] = {}
-        self.failed_batches = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if background:
@@ -244,22 +244,50 @@ class JournalWriter:
                 self.sizes[self._segment_name()] += len(data)
             except OSError:
                 # Serving goes on; these requests stay in memory and reach the next snapshot.
-                self.failed_batches += 1
                 logger.exception("served store: could not write %d records to the journal in "
                                  "%s", len(batch), self.directory)
+                self._seal_after_failure()
 
     def rotate(self) -> None:
         """Seal the current segment (if it has records): it is never appended to again."""
         with self._write_lock:
-            if self._fd is None:
-                return
-            os.close(self._fd)
-            self._fd = None
-            try:
-                os.rename(self._path, self._path.with_name(self._path.name + SEALED))
-            except FileNotFoundError:
-                pass  # deleted as a dead replica's (``stale_segment``): nothing left to seal
-            self._number += 1
+            self._seal()
+
+    def _seal(self) -> None:
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        try:
+            os.rename(self._path, self._path.with_name(self._path.name + SEALED))
+        except FileNotFoundError:
+            pass  # deleted as a dead replica's (``stale_segment``): nothing left to seal
+        self._number += 1
+
+    def _seal_after_failure(self) -> None:
+        """A failed batch may have left part of itself in the segment (a full disk, a failed
+        fsync), and readers stop at the first torn record, so no later batch may follow it: the
+        segment is cut back to its last whole batch and sealed; the next batch starts another."""
+        if self._fd is None:
+            return
+        fd, path, self._fd = self._fd, self._path, None
+        size = self.sizes[self._segment_name()]
+        self._number += 1
+        closed = False
+        try:
+            os.ftruncate(fd, size)
+            closed = True  # by the call below even if it fails (Linux)
+            os.close(fd)
+            os.rename(path, path.with_name(path.name + SEALED))
+        except FileNotFoundError:
+            pass  # deleted as a dead replica's meanwhile
+        except OSError:
+            # Readers warn once about what follows the last whole batch, and skip it.
+            logger.exception("served store: could not cut back and seal the journal segment "
+                             "%s after a failed write", path)
+            if not closed:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def flushed_sizes(self) -> dict[str, int]:
         with self._write_lock:
