@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from benchmarks.replay import fake_vllm_config
 from benchmarks.served_store import recorded_requests
@@ -29,11 +29,6 @@ from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_conf
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
 K = 8
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def journaled_hybrid(directory: Path, max_tokens: int, save_minutes: float) -> RetrievalProposer:
@@ -82,12 +77,13 @@ def main(argv: list[str] | None = None) -> None:
         served = Path(directory) / "served"
         proposer = journaled_hybrid(served, args.served_max_tokens, args.save_minutes)
         start = time.perf_counter()
+        process = psutil.Process()
         for i in range(args.requests + 1):
             if i % args.sample_every == 0:
                 gc.collect()
                 rows.append({
                     "requests": i, "seconds": round(time.perf_counter() - start, 1),
-                    "rss_mib": round(rss_mib(), 1),
+                    "rss_mib": round(process.memory_info().rss / 2**20, 1),
                     "store_tokens": proposer.method.learning.shared.num_tokens,
                     # Snapshots are numbered; the older ones are removed.
                     "snapshots": max((int(p.name.split("-")[1])

@@ -551,8 +551,6 @@ def read_store_facts(directory: Path) -> StoreFacts:
 def store_facts(directory: Path, tokenizer: TokenizerFacts) -> StoreFacts:
     """The directory's facts, after checking that it holds this tokenizer's tokens (the first
     replica writes ``store.json``: journals would otherwise be read as any model's tokens)."""
-    from vllm_retrieval_spec.datastore.format import DatastoreError
-
     path = directory / STORE_FILE
     if not path.is_file():
         staged = path.with_name(f"{STORE_FILE}.tmp-{os.getpid()}")

@@ -99,8 +99,6 @@ class ServedDenseStore:
         self._slots: list[tuple[np.ndarray, int] | None] = []
         self._next_slot = 0
         self.num_keys = 0
-        #: Keys inserted so far, overwritten ones included (savers compare it).
-        self.inserted = 0
         #: Searches skipped because an insert held the graph; searches that found candidates.
         self.busy = 0
         self.hits = 0
@@ -294,7 +292,6 @@ class ServedDenseStore:
                 self._slots[slot] = (document, position)
             self._next_slot = int((self._next_slot + len(keys)) % self.max_keys)
             self.num_keys = min(self.max_keys, self.num_keys + len(keys))
-            self.inserted += len(keys)
 
 
 def document_starts(documents: Sequence[np.ndarray]) -> np.ndarray:
