@@ -49,9 +49,10 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,7 +65,8 @@ SAMPLE_S = 10.0
 #: second server's check is one no client ever sends.
 DUPLICATES = 4
 CONTROL = ("code-gen", 163)
-SHORT_TASKS, LONG_TASKS = ("code-gen", "chat-open"), ("summarize", "code-edit")
+#: The long prompts' tasks; the short ones are code-gen's (but the duplicates) and chat-open's.
+LONG_TASKS = ("summarize", "code-edit")
 PROMPTS_PER_TASK = 60
 #: What each client request is, and how often.
 KINDS = {"greedy": 4, "sampled": 3, "duplicate": 2, "malformed": 1, "cancelled": 1}
@@ -523,25 +525,65 @@ def soak_kill_restart(args: argparse.Namespace, spec: dict[str, Any], directory:
     return checks, rows
 
 
+class Criterion(NamedTuple):
+    """One pass/fail check of a soak: its name in ``passed``, whether it judges the served
+    store (a peer's run has none), the test, and its report row's label and value."""
+
+    name: str
+    served_store: bool
+    test: Callable[[dict[str, Any]], bool]
+    row: Callable[[dict[str, Any]], str]
+
+
+CRITERIA = (
+    Criterion("no_errors", False, lambda c: c["num_errors"] == 0,
+              lambda c: f"errors (but the malformed requests' 400s) | {c['num_errors']}"),
+    Criterion("malformed_refused", False,
+              lambda c: c["malformed_400"] == c["requests"].get("malformed", 0),
+              lambda c: f"malformed requests refused with 400 | {c['malformed_400']} of "
+                        f"{c['requests'].get('malformed', 0)}"),
+    Criterion("duplicates_identical", False,
+              lambda c: all(n == 1 for n in c["duplicate_outputs"].values()),
+              lambda c: f"distinct outputs per duplicate greedy prompt | "
+                        f"{c['duplicate_outputs']}"),
+    Criterion("rss_flat", False, lambda c: c["rss_growth"] < 0.05,
+              lambda c: f"RSS growth over the last {c['rss_window_s']:.0f} s | "
+                        f"{100 * c['rss_growth']:.2f}% ({c['rss_mib_first']} MiB at the first "
+                        f"sample, {c['rss_mib_last']} at the last; the engine "
+                        f"{c['rss_engine_mib_first']} and {c['rss_engine_mib_last']})"),
+    Criterion("store_bounded", True,
+              lambda c: c["served_store_tokens_max"] <= c["served_max_tokens"],
+              lambda c: f"served-store tokens, most sampled (bound) | "
+                        f"{c['served_store_tokens_max']} ({c['served_max_tokens']})"),
+    Criterion("nothing_lost", True,
+              lambda c: c["lost"]["missing"] == 0 and c["lost"]["checked"] > 0,
+              lambda c: f"requests done more than {c['flush_s']} s before the kill, missing "
+                        f"after it | {c['lost']['missing']} of {c['lost']['checked']}"),
+    Criterion("restart_loads", True,
+              lambda c: c["restart_loaded_tokens"] >= c["stored_tokens_after_kill"] > 0,
+              lambda c: f"tokens on disk after the kill ({c['stored_requests_after_kill']} "
+                        f"requests) / loaded by the restarted server | "
+                        f"{c['stored_tokens_after_kill']} / {c['restart_loaded_tokens']:.0f}"),
+    Criterion("restart_drafts_from_first", True,
+              lambda c: c["restart_duplicate_equal"] and (
+                  c["restart_duplicate_tokens_per_forward"]
+                  > c["restart_control_tokens_per_forward"]),
+              lambda c: f"restarted server, tokens per forward: a duplicate only the first "
+                        f"served / a control prompt | "
+                        f"{c['restart_duplicate_tokens_per_forward']} / "
+                        f"{c['restart_control_tokens_per_forward']} (same output: "
+                        f"{c['restart_duplicate_equal']})"),
+)
+
+
+def criteria(c: dict[str, Any]) -> list[Criterion]:
+    """The criteria these checks are judged on: a peer's run (no served store, no kill) only
+    on its traffic and memory."""
+    return [k for k in CRITERIA if "peer" not in c or not k.served_store]
+
+
 def passed(c: dict[str, Any]) -> dict[str, bool]:
-    """Every criterion of these checks; a peer's run (no served store) has the first four."""
-    traffic = {
-        "no_errors": c["num_errors"] == 0,
-        "malformed_refused": c["malformed_400"] == c["requests"].get("malformed", 0),
-        "duplicates_identical": all(n == 1 for n in c["duplicate_outputs"].values()),
-        "rss_flat": c["rss_growth"] < 0.05,
-    }
-    if "peer" in c:
-        return traffic
-    return {
-        **traffic,
-        "store_bounded": c["served_store_tokens_max"] <= c["served_max_tokens"],
-        "nothing_lost": c["lost"]["missing"] == 0 and c["lost"]["checked"] > 0,
-        "restart_loads": c["restart_loaded_tokens"] >= c["stored_tokens_after_kill"] > 0,
-        "restart_drafts_from_first": c["restart_duplicate_equal"] and (
-            c["restart_duplicate_tokens_per_forward"]
-            > c["restart_control_tokens_per_forward"]),
-    }
+    return {k.name: k.test(c) for k in criteria(c)}
 
 
 def vllm_version() -> str:
@@ -557,39 +599,17 @@ def vllm_version() -> str:
 
 def report(results: dict[str, Any], output_dir: str) -> None:
     c = results["checks"]
-    ok = c["passed"]
     if "peer" in c:
         opening = (f"{c['soaked_s']:.0f} s of the soak's traffic at vLLM's own drafter "
                    f"(`{json.dumps(c['peer'])}`): no served store, no kill.")
+        drafts = ""
     else:
         opening = (f"{c['soaked_s']:.0f} s at the traffic below, then `kill -9` of the server's "
                    f"tree {c['kill_after_s']:.0f} s in, and a restart on the same directory.")
-    lines = [
-        f"| errors (but the malformed requests' 400s) | {c['num_errors']} | {ok['no_errors']} |",
-        f"| malformed requests refused with 400 | {c['malformed_400']} of "
-        f"{c['requests'].get('malformed', 0)} | {ok['malformed_refused']} |",
-        f"| distinct outputs per duplicate greedy prompt | {c['duplicate_outputs']} | "
-        f"{ok['duplicates_identical']} |",
-        f"| RSS growth over the last {c['rss_window_s']:.0f} s | "
-        f"{100 * c['rss_growth']:.2f}% ({c['rss_mib_first']} MiB at the first sample, "
-        f"{c['rss_mib_last']} at the last; the engine {c['rss_engine_mib_first']} and "
-        f"{c['rss_engine_mib_last']}) | {ok['rss_flat']} |"]
-    if "peer" not in c:
-        lines += [
-            f"| served-store tokens, most sampled (bound) | {c['served_store_tokens_max']} "
-            f"({c['served_max_tokens']}) | {ok['store_bounded']} |",
-            f"| requests done more than {c['flush_s']} s before the kill, missing after it | "
-            f"{c['lost']['missing']} of {c['lost']['checked']} | {ok['nothing_lost']} |",
-            f"| tokens on disk after the kill ({c['stored_requests_after_kill']} requests) / "
-            f"loaded by the restarted server | {c['stored_tokens_after_kill']} / "
-            f"{c['restart_loaded_tokens']:.0f} | {ok['restart_loads']} |",
-            f"| restarted server, tokens per forward: a duplicate only the first served / a "
-            f"control prompt | {c['restart_duplicate_tokens_per_forward']} / "
-            f"{c['restart_control_tokens_per_forward']} (same output: "
-            f"{c['restart_duplicate_equal']}) | {ok['restart_drafts_from_first']} |"]
-    drafts = "" if "peer" in c else f"; failed drafts: {c['failed_drafts']:.0f}"
+        drafts = f"; failed drafts: {c['failed_drafts']:.0f}"
     body = [
-        opening, "", "| check | value | passed |", "|---|---|---|", *lines,
+        opening, "", "| check | value | passed |", "|---|---|---|",
+        *(f"| {k.row(c)} | {c['passed'][k.name]} |" for k in criteria(c)),
         "", f"Requests: {c['requests']} ({c['streamed']} streamed); latency p50 "
         f"{c['latency_p50_s']} s, p99 {c['latency_p99_s']} s (completed greedy, sampled and "
         f"duplicate requests){drafts}.", "",
