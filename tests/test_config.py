@@ -152,3 +152,15 @@ def test_a_store_saved_before_the_journal_of_another_tokenizer_fails_in_the_fron
     with pytest.raises(DatastoreError, match=r"was built with another tokenizer: it records "
                                              r"tokenizer 'other-model'"):
         validate_against_model(served_config(directory), model_config)
+
+
+@pytest.mark.parametrize("method", ["rest", "pld", "dresd", "hybrid"])
+def test_a_costly_draft_token_leaves_tree_min_prob_a_probability(method):
+    # draft_token_cost may be up to 1, but 5.5 x 0.5 = 2.75 once failed the derived
+    # tree_min_prob's own range check, naming an option the user never set.
+    options = {**GOOD, "method": method, "draft_token_cost": 0.5}
+    if method == "pld":
+        del options["datastore"]
+    config = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
+    assert (config.drafting.draft_token_cost, config.trie.tree_min_prob) == (0.5, 1.0)
+    assert config_from_dict(config.to_dict()) == config

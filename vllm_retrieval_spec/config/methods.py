@@ -62,9 +62,10 @@ class MethodConfig:
     def __post_init__(self) -> None:
         trie = getattr(self, "trie", None)
         if trie is not None and trie.tree_min_prob is None:
-            # Frozen: the derived value is set once, here, and travels in to_dict().
-            object.__setattr__(self, "trie", dataclasses.replace(trie, tree_min_prob=round(
-                TREE_COST_FACTOR * self.drafting.draft_token_cost, 4)))
+            # Frozen: the derived value is set once, here, and travels in to_dict(). At most 1
+            # (a probability): past draft_token_cost 1 / TREE_COST_FACTOR no branch pays.
+            object.__setattr__(self, "trie", dataclasses.replace(trie, tree_min_prob=min(
+                1.0, round(TREE_COST_FACTOR * self.drafting.draft_token_cost, 4))))
         self.check_own()
         for name in self._groups():
             getattr(self, name).check(self.method)
