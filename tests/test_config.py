@@ -164,3 +164,13 @@ def test_a_costly_draft_token_leaves_tree_min_prob_a_probability(method):
     config = parse_speculative_config(options, VLLM_CPU_DEFAULTS)
     assert (config.drafting.draft_token_cost, config.trie.tree_min_prob) == (0.5, 1.0)
     assert config_from_dict(config.to_dict()) == config
+
+
+def test_null_leaves_tree_min_prob_unset():
+    # Its type is float | None, yet null once failed as "has type NoneType; expected float or
+    # NoneType"; unset, it is derived from draft_token_cost.
+    config = parse_speculative_config({**GOOD, "tree_min_prob": None}, VLLM_CPU_DEFAULTS)
+    assert config.trie.tree_min_prob == 0.3025
+    with pytest.raises(ConfigError, match=r"'num_speculative_tokens'\]=None has type NoneType; "
+                                          r"expected int$"):
+        parse_speculative_config({**GOOD, "num_speculative_tokens": None}, VLLM_CPU_DEFAULTS)

@@ -319,6 +319,9 @@ def config_from_dict(data: dict[str, Any]) -> MethodConfig:
 def _coerce(name: str, value: Any, hint: Any) -> Any:
     """Accept JSON-typed values (the server passes JSON); reject everything else clearly."""
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and types.NoneType in allowed:
+        # JSON's null for an option whose default is "unset" (derived at start-up).
+        return None
     if bool in allowed and isinstance(value, bool):
         return value
     if int in allowed and isinstance(value, int) and not isinstance(value, bool):
