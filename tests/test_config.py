@@ -32,7 +32,7 @@ def test_parses_and_round_trips():
         ({"max_occurrences": 0}, r"'max_occurrences'\]=0 is out of range"),
         ({"min_match_len": 5, "max_match_len": 4}, r"'max_match_len'\]=4 is out of range .*\[5, 64\]"),
         ({"min_prefix_prob": 1.5}, r"'min_prefix_prob'\]=1.5 is out of range"),
-        ({"tree": "yes"}, r"'tree'\]='yes' is not one of \['off', 'on'\]"),
+        ({"tree": "yes"}, r"'tree'\]='yes' is not one of \['off', 'on'\] for method 'rest'$"),
         ({"tree_min_prob": -0.1}, r"'tree_min_prob'\]=-0.1 is out of range"),
         ({"min_prefix_prob": float("nan")}, r"must be finite"),
         ({"datastore": ""}, r"'datastore'\] is required for method 'rest'"),
@@ -78,7 +78,8 @@ def test_hybrid_needs_a_datastore_only_without_a_served_store():
     with pytest.raises(ConfigError, match=r"'datastore'\] is required for method 'hybrid'"):
         parse_speculative_config({**hybrid, "served_store": "off"}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError,
-                       match=r"'served_store'\]='per_user' .*\['off', 'shared', 'per_request'\]"):
+                       match=r"'served_store'\]='per_user' .*\['off', 'shared', 'per_request'\] "
+                             r"for method 'hybrid'$"):
         parse_speculative_config({**hybrid, "served_store": "per_user"}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'served_datastore'\] needs served_store 'shared' "
                                           r"or 'per_request': with 'off' nothing is stored"):

@@ -108,7 +108,7 @@ class TrieOptions:
     def check(self, method: str) -> None:
         check_range(method, self, "min_prefix_prob", 0.0, 1.0)
         check_range(method, self, "prior_weight", 0.0, 1e6)
-        check_choice(self, "tree", ("off", "on"))
+        check_choice(method, self, "tree", ("off", "on"))
         check_range(method, self, "tree_min_prob", 0.0, 1.0)
 
 
@@ -152,7 +152,7 @@ class DenseSearchOptions:
 
     def check(self, method: str) -> None:
         check_range(method, self, "top_n", 1, 4096)
-        check_choice(self, "search", DENSE_SEARCH_BACKENDS)
+        check_choice(method, self, "search", DENSE_SEARCH_BACKENDS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +197,7 @@ class DenseOptions:
 
     def check(self, method: str) -> None:
         check_range(method, self, "dense_weight", 0.0, 1e6)
-        check_choice(self, "dense", HYBRID_DENSE_MODES)
+        check_choice(method, self, "dense", HYBRID_DENSE_MODES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +239,7 @@ class ServedOptions:
     served_max_age_hours: float = 720.0
 
     def check(self, method: str) -> None:
-        check_choice(self, "served_store", SERVED_STORE_MODES)
+        check_choice(method, self, "served_store", SERVED_STORE_MODES)
         check_range(method, self, "served_max_tokens", 1, 1 << 31)
         check_range(method, self, "served_weight", 0.0, 1e6)
         check_range(method, self, "served_flush_ms", 1.0, 60_000.0)
@@ -285,7 +285,8 @@ def check_range(method: str, options: object, name: str, low: float, high: float
         )
 
 
-def check_choice(options: object, name: str, choices: tuple[str, ...]) -> None:
+def check_choice(method: str, options: object, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(options, name)
     if value not in choices:
-        raise ConfigError(f"speculative_config[{name!r}]={value!r} is not one of {list(choices)}")
+        raise ConfigError(f"speculative_config[{name!r}]={value!r} is not one of {list(choices)} "
+                          f"for method {method!r}")
