@@ -175,3 +175,24 @@ def test_null_leaves_tree_min_prob_unset():
     with pytest.raises(ConfigError, match=r"'num_speculative_tokens'\]=None has type NoneType; "
                                           r"expected int$"):
         parse_speculative_config({**GOOD, "num_speculative_tokens": None}, VLLM_CPU_DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    "method, option, hint",
+    [
+        ("rest", "max_occurences", r"\('max_occurences': did you mean 'max_occurrences'\?\)"),
+        ("hybrid", "num_specualtive_tokens",
+         r"\('num_specualtive_tokens': did you mean 'num_speculative_tokens'\?\)"),
+        ("hybrid", "Tree", r"\('Tree': did you mean 'tree'\?\)"),
+        ("hybrid", "search_threads", r"\('search_threads' is an option of \['dresd'\]\)"),
+        ("pld_plus", "min_prefix_prob",
+         r"\('min_prefix_prob' is an option of \['dresd', 'hybrid', 'pld', 'rest'\]\)"),
+    ],
+)
+def test_an_unknown_option_names_what_was_meant(method, option, hint):
+    # Hybrid's list of allowed options is over 40 long: a typo's target, or the method an
+    # option belongs to, is named before it.
+    options = {"method": method, "num_speculative_tokens": 8, option: 1}
+    with pytest.raises(ConfigError, match=rf"unknown option\(s\) \[{option!r}\] for method "
+                                          rf"{method!r} {hint}; allowed: \["):
+        parse_speculative_config(options, VLLM_CPU_DEFAULTS)

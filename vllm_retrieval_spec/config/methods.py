@@ -13,6 +13,7 @@ and what is allowed. The worker re-creates the same config from ``additional_con
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import types
@@ -294,8 +295,10 @@ def parse_speculative_config(options: dict[str, Any], platform: PlatformDefaults
     types_ = cls.option_types()
     unknown = sorted(set(options) - set(types_))
     if unknown:
+        hints = "".join(_unknown_option_hint(name, types_) for name in unknown)
         raise ConfigError(
-            f"unknown option(s) {unknown} for method {method!r}; allowed: {sorted(types_)}"
+            f"unknown option(s) {unknown} for method {method!r}{hints}; "
+            f"allowed: {sorted(types_)}"
         )
     if "num_speculative_tokens" not in options:
         raise ConfigError(
@@ -304,6 +307,16 @@ def parse_speculative_config(options: dict[str, Any], platform: PlatformDefaults
         )
     values = {name: _coerce(name, value, types_[name]) for name, value in options.items()}
     return cls.from_options({**platform.for_options(set(types_)), **values})
+
+
+def _unknown_option_hint(name: str, allowed: dict[str, Any]) -> str:
+    """What the user may have meant by ``name``: the methods that take it, else the nearest of
+    ``allowed`` (hybrid takes over 40 options, too many to spot a typo's target in)."""
+    methods = sorted(m for m, cls in METHODS.items() if name in cls.option_types())
+    if methods:
+        return f" ({name!r} is an option of {methods})"
+    close = difflib.get_close_matches(name.lower(), list(allowed), n=1)
+    return f" ({name!r}: did you mean {close[0]!r}?)" if close else ""
 
 
 def config_from_dict(data: dict[str, Any]) -> MethodConfig:
