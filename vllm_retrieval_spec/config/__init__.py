@@ -11,6 +11,7 @@ from vllm_retrieval_spec.config.methods import (
     PldPlusConfig,
     RestConfig,
     config_from_dict,
+    misspelt_method,
     parse_speculative_config,
 )
 from vllm_retrieval_spec.config.options import (
@@ -30,5 +31,5 @@ __all__ = [
     "ACCELERATOR_DEFAULTS", "METHODS", "MAX_SPECULATIVE_TOKENS", "PLUGIN_KEY", "TREE_COST_FACTOR",
     "VLLM_CPU_DEFAULTS", "ConfigError", "DresdConfig", "HybridConfig", "MethodConfig",
     "PlatformDefaults", "PldConfig", "PldPlusConfig", "RestConfig", "TrieOptions",
-    "config_from_dict", "parse_speculative_config", "platform_defaults",
+    "config_from_dict", "misspelt_method", "parse_speculative_config", "platform_defaults",
 ]

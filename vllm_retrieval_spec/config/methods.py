@@ -18,6 +18,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -287,8 +288,10 @@ def parse_speculative_config(options: dict[str, Any], platform: PlatformDefaults
     options = {str(k).replace("-", "_"): v for k, v in options.items()}
     method = options.pop("method", None)
     if method not in METHODS:
+        meant = misspelt_method(method, ())
+        hint = f" (did you mean {meant!r}?)" if meant else ""
         raise ConfigError(
-            f"speculative_config['method']={method!r} is not a retrieval method; "
+            f"speculative_config['method']={method!r} is not a retrieval method{hint}; "
             f"choose one of {sorted(METHODS)}"
         )
     cls = METHODS[method]
@@ -307,6 +310,16 @@ def parse_speculative_config(options: dict[str, Any], platform: PlatformDefaults
         )
     values = {name: _coerce(name, value, types_[name]) for name, value in options.items()}
     return cls.from_options({**platform.for_options(set(types_)), **values})
+
+
+def misspelt_method(name: Any, others: Collection[str]) -> str | None:
+    """The retrieval method that ``name``, a method neither ours nor one of ``others`` (vLLM's),
+    most likely misspells ("Hybrid", "pld+", "hybird"), or None."""
+    if not isinstance(name, str) or name in METHODS or name in others:
+        return None
+    normal = name.strip().lower().replace("-", "_").replace("+", "_plus")
+    close = difflib.get_close_matches(normal, METHODS, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _unknown_option_hint(name: str, allowed: dict[str, Any]) -> str:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import typing
 from collections.abc import Callable
 from typing import Any
 
 from vllm_retrieval_spec.config import (
-    METHODS, PLUGIN_KEY, ConfigError, PldPlusConfig, parse_speculative_config, platform_defaults)
+    METHODS, PLUGIN_KEY, ConfigError, PldPlusConfig, misspelt_method, parse_speculative_config,
+    platform_defaults)
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +21,8 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
     @functools.wraps(create_speculative_config)
     def wrapper(self, target_model_config, target_parallel_config):
         options = self.speculative_config
-        if isinstance(options, dict) and options.get("method") in METHODS:
+        if isinstance(options, dict) and (options.get("method") in METHODS
+                                          or _misspells_ours(options.get("method"))):
             from vllm.platforms import current_platform
 
             from vllm_retrieval_spec.config.model import validate_against_model
@@ -37,6 +40,14 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
         return create_speculative_config(self, target_model_config, target_parallel_config)
 
     return wrapper
+
+
+def _misspells_ours(method: object) -> bool:
+    """Whether ``method`` is no method of vLLM's but a near-miss of ours: then our error names
+    ours ("did you mean 'hybrid'?"); vLLM's lists only its own methods."""
+    from vllm.config.speculative import SpeculativeMethod
+
+    return misspelt_method(method, typing.get_args(SpeculativeMethod)) is not None
 
 
 def without_prefix_caching_for_pld_plus(create_engine_config: Callable) -> Callable:
