@@ -211,3 +211,24 @@ def test_a_misspelt_method_is_named_by_ours_not_vllms():
             parse_speculative_config({**GOOD, "method": typo}, VLLM_CPU_DEFAULTS)
     for other in ["ngram", "suffix", "draft_model", "eagle3", None, 3, "hybrid", "medusa"]:
         assert misspelt_method(other, vllm_methods) is None
+
+
+def test_spec_tokens_gives_k_to_our_methods():
+    # `--speculative-config '{"method": "hybrid"}' --spec-tokens 8` once failed as
+    # "'num_speculative_tokens' is required": vLLM folds --spec-tokens in only after our patch
+    # has read the dict. Folded in first, and cleared so that vLLM does not fold it again.
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.patches.engine_args import with_shorthand_flags
+
+    engine_args = SimpleNamespace(spec_model=None, spec_tokens=8)
+    options = with_shorthand_flags(engine_args, {"method": "hybrid"})
+    assert parse_speculative_config(options, VLLM_CPU_DEFAULTS).drafting.num_speculative_tokens == 8
+    assert engine_args.spec_tokens is None
+    with pytest.raises(ConfigError, match=r"--spec-tokens and --speculative-config"
+                                          r"\['num_speculative_tokens'\] are mutually exclusive"):
+        with_shorthand_flags(SimpleNamespace(spec_model=None, spec_tokens=8),
+                             {"method": "hybrid", "num-speculative-tokens": 4})
+    options = with_shorthand_flags(SimpleNamespace(spec_model="m", spec_tokens=None), GOOD)
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['model'\] for method 'rest'"):
+        parse_speculative_config(options, VLLM_CPU_DEFAULTS)

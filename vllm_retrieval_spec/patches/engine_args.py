@@ -28,6 +28,7 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
             from vllm_retrieval_spec.config.model import validate_against_model
             from vllm_retrieval_spec.proposers.base import PROPOSER_CLASS
 
+            options = with_shorthand_flags(self, options)
             config = parse_speculative_config(options, platform_defaults(current_platform.is_cpu()))
             validate_against_model(config, target_model_config)
             if config.drafts_trees and not current_platform.is_cpu():
@@ -40,6 +41,27 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
         return create_speculative_config(self, target_model_config, target_parallel_config)
 
     return wrapper
+
+
+#: vLLM's flags for single speculative_config keys, which the method we wrap folds into the dict
+#: only after this patch has read it (``--spec-method`` offers only vLLM's methods).
+_SHORTHAND_FLAGS = (("--spec-model", "model", "spec_model"),
+                    ("--spec-tokens", "num_speculative_tokens", "spec_tokens"))
+
+
+def with_shorthand_flags(engine_args: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``--spec-tokens`` and ``--spec-model`` folded in as vLLM folds them;
+    they are cleared, so that vLLM does not fold them again into the config replacing ours."""
+    options = dict(options)
+    for flag, key, attribute in _SHORTHAND_FLAGS:
+        value = getattr(engine_args, attribute, None)
+        if value is None:
+            continue
+        if key in {name.replace("-", "_") for name in options}:
+            raise ConfigError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        options[key] = value
+        setattr(engine_args, attribute, None)
+    return options
 
 
 def _misspells_ours(method: object) -> bool:
