@@ -232,3 +232,17 @@ def test_spec_tokens_gives_k_to_our_methods():
     options = with_shorthand_flags(SimpleNamespace(spec_model="m", spec_tokens=None), GOOD)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['model'\] for method 'rest'"):
         parse_speculative_config(options, VLLM_CPU_DEFAULTS)
+
+
+@pytest.mark.parametrize("option, value", [("served_max_tokens", 10), ("served_prompts", False),
+                                           ("served_weight", 5.0), ("served_flush_ms", 10.0),
+                                           ("served_dense_weight", 1.0)])
+def test_served_options_with_the_served_store_off_are_refused(option, value):
+    # They were silently ignored: nothing is stored with served_store "off".
+    options = {"method": "hybrid", "num_speculative_tokens": 8, "datastore": "d",
+               "served_store": "off"}
+    with pytest.raises(ConfigError, match=rf"'{option}'\] needs served_store 'shared' or "
+                                          rf"'per_request': with 'off' nothing is stored$"):
+        parse_speculative_config({**options, option: value}, VLLM_CPU_DEFAULTS)
+    # The defaults stay, and so does a value equal to its default.
+    parse_speculative_config({**options, "served_max_keys": 64}, VLLM_CPU_DEFAULTS)

@@ -267,10 +267,14 @@ class HybridConfig(MethodConfig):
         if self.served_dense.served_dense and served != "shared":
             raise ConfigError(
                 f"speculative_config['served_dense'] needs served_store 'shared', got {served!r}")
-        if self.served.served_datastore and served == "off":
-            raise ConfigError(
-                "speculative_config['served_datastore'] needs served_store 'shared' or "
-                "'per_request': with 'off' nothing is stored to save")
+        if served == "off":
+            # An option of the served store set with the store off would be silently ignored.
+            for group in (self.served, self.served_dense):
+                for f in dataclasses.fields(group):
+                    if f.name != "served_store" and getattr(group, f.name) != f.default:
+                        raise ConfigError(
+                            f"speculative_config[{f.name!r}] needs served_store 'shared' or "
+                            "'per_request': with 'off' nothing is stored")
         if self.dense.dense == "on" and not self.store.datastore:
             raise ConfigError("speculative_config['dense']='on' needs a 'datastore' with a "
                               "dense index")
