@@ -158,6 +158,19 @@ def test_a_failed_write_leaves_nothing_torn_before_the_next_batch(tmp_path, monk
     assert "unreadable" not in caplog.text
 
 
+def test_a_failed_fsync_of_a_new_segment_stops_only_that_batch(tmp_path, monkeypatch, caplog):
+    writer = JournalWriter(tmp_path, "r", 1.0, background=False)
+    writer.append(record(1, [5, 6]))
+    with monkeypatch.context() as patch, caplog.at_level(logging.ERROR):
+        # The first batch creates the segment: the fsync of its directory entry fails.
+        patch.setattr(journal, "os", OsFailingAt("fsync", a_failed_fsync))
+        writer.flush()
+    assert "could not write 1 records to the journal" in caplog.text
+    writer.append(record(2, [7]))
+    writer.flush()
+    assert [r.doc_id for r in JournalReader(tmp_path, "other", {}).poll()] == [2]
+
+
 def test_torn_and_corrupt_tails_are_skipped_with_one_warning(tmp_path, caplog):
     good = encode_record(record(1, [5, 6]))
     (tmp_path / "journal-a.0").write_bytes(good + encode_record(record(2, [7, 8]))[:-3])

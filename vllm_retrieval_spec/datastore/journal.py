@@ -326,8 +326,9 @@ class JournalWriter:
             self._number += 1
         self._path = self.directory / self._segment_name()
         self._fd = create_private(self._path)
-        fsync_directory(self.directory)
+        # Known before anything else can fail: a failure cuts the segment back to this size.
         self.sizes[self._segment_name()] = 0
+        fsync_directory(self.directory)
         return self._fd
 
     def _flush_forever(self) -> None:
