@@ -171,6 +171,36 @@ def test_a_failed_fsync_of_a_new_segment_stops_only_that_batch(tmp_path, monkeyp
     assert [r.doc_id for r in JournalReader(tmp_path, "other", {}).poll()] == [2]
 
 
+def a_full_disk(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def a_close_that_fails(fd):
+    os.close(fd)  # Linux frees the descriptor even when close reports an error
+    raise OSError(errno.EIO, "Input/output error")
+
+
+@pytest.mark.parametrize("call, failure", [("rename", a_full_disk),
+                                           ("close", a_close_that_fails)])
+def test_a_segment_that_cannot_be_sealed_does_not_stop_the_journal(tmp_path, monkeypatch,
+                                                                   caplog, call, failure):
+    writer = JournalWriter(tmp_path, "r", 1.0, background=False)
+    writer.append(record(1, [5, 6]))
+    writer.flush()
+    with monkeypatch.context() as patch, caplog.at_level(logging.ERROR):
+        patch.setattr(journal, "os", OsFailingAt(call, failure))
+        writer.rotate()  # a compaction goes on
+    assert "could not seal the journal segment" in caplog.text
+    caplog.clear()
+    writer.append(record(2, [7]))
+    with caplog.at_level(logging.ERROR):
+        writer.flush()
+    assert caplog.text == ""
+    # The unsealed segment is read as any other; the next batch went to a segment of its own.
+    assert [r.doc_id for r in JournalReader(tmp_path, "other", {}).poll()] == [1, 2]
+    assert list(writer.flushed_sizes()) == ["journal-r.0", "journal-r.1"]
+
+
 def test_torn_and_corrupt_tails_are_skipped_with_one_warning(tmp_path, caplog):
     good = encode_record(record(1, [5, 6]))
     (tmp_path / "journal-a.0").write_bytes(good + encode_record(record(2, [7, 8]))[:-3])

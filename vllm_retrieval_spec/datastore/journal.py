@@ -256,13 +256,19 @@ class JournalWriter:
     def _seal(self) -> None:
         if self._fd is None:
             return
-        os.close(self._fd)
-        self._fd = None
+        fd, path, self._fd = self._fd, self._path, None
+        # Whatever fails below, the next batch starts another segment: this one's name, still on
+        # disk, would refuse it (O_EXCL) at every later batch.
+        self._number += 1
         try:
-            os.rename(self._path, self._path.with_name(self._path.name + SEALED))
+            os.close(fd)
+            os.rename(path, path.with_name(path.name + SEALED))
         except FileNotFoundError:
             pass  # deleted as a dead replica's (``stale_segment``): nothing left to seal
-        self._number += 1
+        except OSError:
+            # Left unsealed (it is read all the same): taken for a dead replica's once this
+            # process is gone.
+            logger.exception("served store: could not seal the journal segment %s", path)
 
     def _seal_after_failure(self) -> None:
         """A failed batch may have left part of itself in the segment (a full disk, a failed
