@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_retrieval_spec.datastore import journal
+from vllm_retrieval_spec.datastore import journal, served_saver
 from vllm_retrieval_spec.datastore.format import DatastoreError
 from vllm_retrieval_spec.datastore.journal import (
     NO_KEY, CompactionLock, JournalReader, JournalWriter, Record, TokenizerFacts,
@@ -308,6 +308,36 @@ def test_a_request_whose_journal_write_failed_reaches_the_next_snapshot(tmp_path
     assert stored(replica(tmp_path, "h-2-b")) == [[1, 1], [3, 3]]
     a.compact(force=True)
     assert stored(replica(tmp_path, "h-3-c")) == [[1, 1], [2, 2], [3, 3]]
+
+
+def test_a_snapshot_written_while_a_replica_starts_loses_it_nothing(tmp_path, monkeypatch):
+    a, b = replica(tmp_path, "h-1-a"), replica(tmp_path, "h-2-b")
+    serve(a, "1", [1, 1])
+    a.writer.flush()
+    b.sync()
+    b.compact(force=True)  # includes request 1, not 2
+    serve(a, "2", [2, 2])
+    a.writer.flush()
+    a.writer.rotate()
+    b.sync()
+    settle(tmp_path)
+    load = served_saver.read_snapshot
+
+    def load_slowly(path, fingerprint):
+        # While c loads the first snapshot, b writes the next and deletes a's sealed segment.
+        snapshot = load(path, fingerprint)
+        if len(list_snapshots(tmp_path)) == 1:
+            b.compact(force=True)
+            assert not list_segments(tmp_path)
+        return snapshot
+
+    monkeypatch.setattr(served_saver, "read_snapshot", load_slowly)
+    c = replica(tmp_path, "h-3-c")
+    monkeypatch.undo()
+    assert stored(c) == [[1, 1], [2, 2]]
+    # Nor does c's own snapshot, the newest, lose it.
+    c.compact(force=True)
+    assert stored(replica(tmp_path, "h-4-d")) == [[1, 1], [2, 2]]
 
 
 def test_a_snapshot_that_does_not_load_falls_back_to_the_one_before(tmp_path, caplog):

@@ -3,11 +3,11 @@ replica's journal, snapshots compact the journals, and every replica given the s
 reads the others' journals (``datastore.journal`` for the files).
 
 At start-up a replica loads the newest snapshot that loads, then every journal segment from
-where that snapshot stopped including it. While it serves, it reads the other replicas' new
-records every flush interval, and every ``compact_s`` seals its segment and, if no snapshot
-is younger than half that and nobody holds the lock, writes the next snapshot: what it holds,
-and how far into each segment that is. Segments a snapshot includes whole are then deleted
-once their writer is done with them.
+where that snapshot stopped including it (and again, on top, a snapshot written meanwhile).
+While it serves, it reads the other replicas' new records every flush interval, and every
+``compact_s`` seals its segment and, if no snapshot is younger than half that and nobody holds
+the lock, writes the next snapshot: what it holds, and how far into each segment that is.
+Segments a snapshot includes whole are then deleted once their writer is done with them.
 
 A snapshot is written by one replica while others append, so it cannot know exactly what
 their unread records hold: it records offsets, not contents, and a request read twice (the
@@ -290,9 +290,8 @@ class ServedDirectory:
         self.changes = 0
         self._compacted_at_change = 0
         self._swept = time.monotonic()
-        offsets, loaded = self._load_snapshot()
-        self.reader = JournalReader(self.path, self.replica, offsets)
-        replayed = self.apply(self.reader.poll())
+        self.reader = JournalReader(self.path, self.replica, {})
+        loaded, replayed = self._load()
         # Indexed before the first request is drafted (start-up, not a decoding step).
         stores.wait_indexed()
         if dense is not None:
@@ -368,10 +367,30 @@ class ServedDirectory:
     def _cutoff_ms(self) -> int:
         return now_ms() - int(1000 * self.max_age_s) if self.max_age_s else 0
 
-    def _load_snapshot(self) -> tuple[dict[str, int], int]:
-        """Load the newest snapshot that loads; returns the offsets it includes and how many
-        requests were stored."""
-        for path in list_snapshots(self.path):
+    def _load(self) -> tuple[int, int]:
+        """Load the newest snapshot, then the journals after it; returns how many requests
+        came from each. A snapshot that appeared meanwhile is loaded on top and the journals
+        read again: its writer deletes the segments it includes, perhaps before they were read
+        (a long load, segments sealed long ago), and they are in no snapshot loaded before."""
+        snapshots = list_snapshots(self.path)
+        listed: set[str] = set()
+        loaded = replayed = 0
+        while True:
+            listed.update(p.name for p in snapshots)
+            offsets, count = self._load_snapshot(snapshots)
+            loaded += count
+            # What was read of a segment, or what the snapshot includes of it: both are stored.
+            for name, offset in offsets.items():
+                self.reader.offsets[name] = max(offset, self.reader.offsets.get(name, 0))
+            replayed += self.apply(self.reader.poll())
+            snapshots = list_snapshots(self.path)
+            if {p.name for p in snapshots} <= listed:
+                return loaded, replayed
+
+    def _load_snapshot(self, snapshots: list[Path]) -> tuple[dict[str, int], int]:
+        """Load the newest of ``snapshots`` that loads; returns the offsets it includes and how
+        many requests were stored."""
+        for path in snapshots:
             try:
                 snapshot = read_snapshot(path, self.tokenizer.fingerprint)
             except (DatastoreError, OSError, ValueError, KeyError) as e:
