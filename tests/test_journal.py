@@ -339,6 +339,34 @@ def test_a_snapshot_written_while_a_replica_starts_loses_it_nothing(tmp_path, mo
     c.compact(force=True)
     assert stored(replica(tmp_path, "h-4-d")) == [[1, 1], [2, 2]]
 
+def test_a_snapshot_is_durable_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", [1, 1])
+    a.writer.flush()
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def record_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def record_replace(source, target):
+        events.append(("rename", str(source)))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "replace", record_replace)
+    snapshot = a.compact(force=True)
+    monkeypatch.undo()
+    # Every entry of the snapshot, its files' and its own directory's: after a power loss, a
+    # snapshot renamed into place whose files are missing would not load, and the segments it
+    # included are deleted already.
+    staged = str(snapshot.with_name(f"{snapshot.name}.tmp-{os.getpid()}"))
+    renamed = events.index(("rename", staged))
+    fsynced = {path for event, path in events[:renamed] if event == "fsync"}
+    assert staged in fsynced
+    assert {staged + "/" + p.name for p in snapshot.iterdir()} <= fsynced
+
 
 def test_a_snapshot_that_does_not_load_falls_back_to_the_one_before(tmp_path, caplog):
     a = replica(tmp_path, "h-1-a")

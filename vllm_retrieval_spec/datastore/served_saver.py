@@ -155,6 +155,9 @@ def make_private_and_durable(directory: Path) -> None:
     for path in [directory, *directory.rglob("*")]:
         if path.is_dir():
             path.chmod(DIR_MODE)
+            # Its entries too: a snapshot that came back from a power loss without its files
+            # would not load, and the segments it included are deleted once it is written.
+            fsync_directory(path)
         else:
             path.chmod(FILE_MODE)
             with open(path, "rb+") as f:
