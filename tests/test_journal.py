@@ -17,7 +17,8 @@ from vllm_retrieval_spec.datastore.journal import (
     NO_KEY, CompactionLock, JournalReader, JournalWriter, Record, TokenizerFacts,
     decode_records, encode_record, list_segments, stale_temporary, this_host)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
-from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, list_snapshots, purge
+from vllm_retrieval_spec.datastore.served_saver import (
+    ServedDirectory, list_snapshots, purge, read_snapshot)
 
 TOKENIZER = TokenizerFacts("t", "f" * 64, 1000)
 LONG_AGO = time.time() - 3600
@@ -436,6 +437,18 @@ def test_purge_by_key_and_age_reaches_running_replicas_and_the_disk(tmp_path):
     assert removed == 2
     assert replica(tmp_path, "h-3-c", keyed=True).stores.num_documents == 0
     assert [s.name for s in list_segments(tmp_path).values()] == []
+
+def test_purge_counts_and_keeps_a_request_read_twice_once(tmp_path):
+    a = replica(tmp_path, "h-1-a", keyed=True)
+    serve(a, "1", [1, 1], key="x")
+    serve(a, "2", [2, 2], key="y")
+    a.compact(force=True)  # from memory: the journal has neither yet
+    a.writer.flush()  # now it has both, after what the snapshot includes of it
+    time.sleep(0.01)
+    snapshot, removed = purge(tmp_path, key="x")
+    assert removed == 1
+    kept = read_snapshot(snapshot, TOKENIZER.fingerprint).entries
+    assert [e.tokens.tolist() for e in kept] == [[2, 2]]
 
 
 def test_purge_needs_a_served_store(tmp_path):

@@ -568,8 +568,11 @@ def purge(directory: str | Path, *, key: str | None = None,
             else Snapshot(directory, {}, [])
         # Reads every segment, its own writer's included (an empty replica name is nobody's).
         reader = JournalReader(directory, "", snapshot.segments)
-        everything = snapshot.entries + [Entry(r.key, r.doc_id, r.time_ms, r.tokens)
-                                         for r in reader.poll()]
+        read = snapshot.entries + [Entry(r.key, r.doc_id, r.time_ms, r.tokens)
+                                   for r in reader.poll()]
+        # A request read twice (a snapshot's writer flushed it after listing its offsets) is one
+        # request, the later read, as start-up stores it: counted once, kept once.
+        everything = list({e.doc_id: e for e in read}.values())
         kept = [e for e in everything if not rules.drops(e.time_ms, e.key)]
         seq = int(_SNAPSHOT.fullmatch(snapshots[0].name)[1]) + 1 if snapshots else 1
         path = directory / f"snapshot-{seq:010d}-{lock.owner}"
