@@ -134,7 +134,7 @@ def test_a_served_store_of_another_tokenizer_fails_in_the_front_end(model_config
     # Nothing there yet, or a directory this model's replicas wrote: it starts.
     validate_against_model(served_config(directory), model_config)
     directory.mkdir()
-    store_facts(directory, TokenizerFacts("other-model", "0" * 64, 1000))
+    store_facts(directory, TokenizerFacts("other-model", "0" * 64, 1000), keyed=False)
     with pytest.raises(DatastoreError, match=r"holds tokens of another tokenizer \('other-model', "
                                              r"fingerprint 0+; the model's is [0-9a-f]{64}\): "
                                              r"give this model a directory of its own"):

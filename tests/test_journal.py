@@ -4,8 +4,10 @@ one directory, compaction, retention, purges, file modes, what cut-off writes le
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
+import re
 import time
 
 import numpy as np
@@ -14,11 +16,11 @@ import pytest
 from vllm_retrieval_spec.datastore import journal, served_saver
 from vllm_retrieval_spec.datastore.format import DatastoreError
 from vllm_retrieval_spec.datastore.journal import (
-    NO_KEY, CompactionLock, JournalReader, JournalWriter, Record, TokenizerFacts,
+    NO_KEY, STORE_FILE, CompactionLock, JournalReader, JournalWriter, Record, TokenizerFacts,
     decode_records, encode_record, list_segments, stale_temporary, this_host)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_saver import (
-    ServedDirectory, list_snapshots, purge, read_snapshot)
+    ServedDirectory, check_served_directory, list_snapshots, purge, read_snapshot)
 
 TOKENIZER = TokenizerFacts("t", "f" * 64, 1000)
 LONG_AGO = time.time() - 3600
@@ -253,9 +255,28 @@ def test_replicas_tail_each_other_and_keys_stay_apart(tmp_path):
     # The key is on disk only as a salted digest.
     for segment in list_segments(tmp_path).values():
         assert b"tenant" not in segment.path.read_bytes()
-    # A shared store never takes keyed requests (nor the reverse).
-    shared = replica(tmp_path, "h-3-c")
-    assert stored(shared) == []
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_directory_holds_one_served_store_modes_requests(tmp_path, keyed):
+    """A replica stores and snapshots only its mode's requests, and its snapshot's offsets pass
+    over the others': a directory of the other mode is refused, by the front-end's check and
+    by the replica."""
+    modes = {True: "'per_request'", False: "'shared'"}
+    serve(replica(tmp_path, "h-1-a", keyed=keyed), "r1", [5, 6], key="k" if keyed else None)
+    refused = (f"holds requests of served_store {modes[keyed]}; this server's is "
+               f"{modes[not keyed]}: give it a directory of its own")
+    with pytest.raises(DatastoreError, match=re.escape(refused)):
+        check_served_directory(tmp_path, TOKENIZER.fingerprint, not keyed)
+    with pytest.raises(DatastoreError, match=re.escape(refused)):
+        replica(tmp_path, "h-2-b", keyed=not keyed)
+    check_served_directory(tmp_path, TOKENIZER.fingerprint, keyed)
+    # A store.json written before the mode was recorded takes either (and each replica keeps
+    # to its own mode's requests).
+    facts = json.loads((tmp_path / STORE_FILE).read_text())
+    del facts["keyed"]
+    (tmp_path / STORE_FILE).write_text(json.dumps(facts))
+    assert stored(replica(tmp_path, "h-3-c", keyed=not keyed)) == []
 
 
 def test_compaction_with_several_writers_loses_and_duplicates_nothing(tmp_path):

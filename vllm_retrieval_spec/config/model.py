@@ -42,7 +42,9 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
         from vllm_retrieval_spec.datastore.served_saver import check_served_directory
 
         # Here rather than in the worker: the engine would start before the replica refused.
-        check_served_directory(Path(served), fingerprint, verify_checksums=verify)
+        check_served_directory(Path(served), fingerprint,
+                               config.served.served_store == "per_request",
+                               verify_checksums=verify)
     if not datastore:
         return
     if isinstance(config, DresdConfig) or (

@@ -538,10 +538,12 @@ class TokenizerFacts:
 
 @dataclass(frozen=True)
 class StoreFacts:
-    """``store.json``: whose tokens the directory holds, and the salt of its key digests."""
+    """``store.json``: whose tokens the directory holds, the salt of its key digests, and
+    whether its requests are keyed (None: written before that was recorded)."""
 
     tokenizer: TokenizerFacts
     salt: bytes
+    keyed: bool | None
 
 
 def read_store_facts(directory: Path) -> StoreFacts:
@@ -552,12 +554,14 @@ def read_store_facts(directory: Path) -> StoreFacts:
     except FileNotFoundError:
         raise DatastoreError(f"{directory} is not a served store: it has no {STORE_FILE}") \
             from None
-    return StoreFacts(TokenizerFacts(**data["tokenizer"]), bytes.fromhex(data["key_salt"]))
+    return StoreFacts(TokenizerFacts(**data["tokenizer"]), bytes.fromhex(data["key_salt"]),
+                      data.get("keyed"))
 
 
-def store_facts(directory: Path, tokenizer: TokenizerFacts) -> StoreFacts:
-    """The directory's facts, after checking that it holds this tokenizer's tokens (the first
-    replica writes ``store.json``: journals would otherwise be read as any model's tokens)."""
+def store_facts(directory: Path, tokenizer: TokenizerFacts, keyed: bool) -> StoreFacts:
+    """The directory's facts, after checking that it holds this tokenizer's tokens and
+    requests keyed (``per_request``) or not as this replica's are (the first replica writes
+    ``store.json``: journals would otherwise be read as any model's tokens)."""
     path = directory / STORE_FILE
     if not path.is_file():
         staged = path.with_name(f"{STORE_FILE}.tmp-{os.getpid()}")
@@ -565,7 +569,8 @@ def store_facts(directory: Path, tokenizer: TokenizerFacts) -> StoreFacts:
         fd = create_private(staged)
         try:
             os.write(fd, json.dumps({"tokenizer": dataclasses.asdict(tokenizer),
-                                     "key_salt": secrets.token_hex(16)}).encode())
+                                     "key_salt": secrets.token_hex(16),
+                                     "keyed": keyed}).encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -579,7 +584,21 @@ def store_facts(directory: Path, tokenizer: TokenizerFacts) -> StoreFacts:
         fsync_directory(directory)
     facts = read_store_facts(directory)
     check_tokenizer(directory, facts.tokenizer, tokenizer.fingerprint)
+    check_keyed(directory, facts.keyed, keyed)
     return facts
+
+
+def check_keyed(directory: Path, recorded: bool | None, keyed: bool) -> None:
+    """Refuse a directory of the other served-store mode's requests: a replica stores and
+    snapshots only its own mode's, and a snapshot's offsets pass over the others', so they
+    would be lost once it compacts."""
+    from vllm_retrieval_spec.datastore.format import DatastoreError
+
+    if recorded is not None and recorded != keyed:
+        modes = {True: "'per_request'", False: "'shared'"}
+        raise DatastoreError(
+            f"served store {directory} holds requests of served_store {modes[recorded]}; this "
+            f"server's is {modes[keyed]}: give it a directory of its own")
 
 
 def check_tokenizer(directory: Path, recorded: TokenizerFacts, fingerprint: str) -> None:

@@ -36,10 +36,10 @@ from vllm_retrieval_spec.datastore.format import (
     MANIFEST_FILE, SEPARATOR, DatastoreError, file_sha256, load_datastore)
 from vllm_retrieval_spec.datastore.journal import (
     DIR_MODE, FILE_MODE, NO_KEY, REPLICA, SETTLE_S, STORE_FILE, CompactionLock, JournalReader,
-    JournalWriter, PurgeRules, Record, TokenizerFacts, check_tokenizer, doc_id, fsync_directory,
-    key_digest, list_segments, new_replica_id, now_ms, purge_files, read_purges,
-    remove_stale_temporaries, stale_segment, read_store_facts, store_facts, this_host,
-    write_purge)
+    JournalWriter, PurgeRules, Record, TokenizerFacts, check_keyed, check_tokenizer, doc_id,
+    fsync_directory, key_digest, list_segments, new_replica_id, now_ms, purge_files,
+    read_purges, remove_stale_temporaries, stale_segment, read_store_facts, store_facts,
+    this_host, write_purge)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_dense import (
     ModelFacts, ServedDenseStore, document_starts)
@@ -185,13 +185,16 @@ def read_snapshot(path: Path, fingerprint: str) -> Snapshot:
     return Snapshot(path, {str(k): int(v) for k, v in served["segments"].items()}, entries)
 
 
-def check_served_directory(path: Path, fingerprint: str, *,
+def check_served_directory(path: Path, fingerprint: str, keyed: bool, *,
                            verify_checksums: bool = True) -> None:
     """The front-end's start-up check of a ``served_datastore`` directory: the tokens it holds
-    (``store.json``, or a store saved before the journal) are of the tokenizer ``fingerprint``.
-    A directory that does not exist yet, or holds nothing, passes."""
+    (``store.json``, or a store saved before the journal) are of the tokenizer ``fingerprint``,
+    its requests ``keyed`` or not as this server's. A directory that does not exist yet, or
+    holds nothing, passes."""
     if (path / STORE_FILE).is_file():
-        check_tokenizer(path, read_store_facts(path).tokenizer, fingerprint)
+        facts = read_store_facts(path)
+        check_tokenizer(path, facts.tokenizer, fingerprint)
+        check_keyed(path, facts.keyed, keyed)
     if (path / MANIFEST_FILE).is_file():
         load_datastore(path, expected_fingerprint=fingerprint, verify_checksums=verify_checksums)
 
@@ -285,7 +288,7 @@ class ServedDirectory:
         if removed:
             logger.info("served store: removed what cut-off writes left in %s: %s", self.path,
                         ", ".join(removed))
-        self.salt = store_facts(self.path, tokenizer).salt
+        self.salt = store_facts(self.path, tokenizer, self.keyed).salt
         adopt_legacy_store(self.path, tokenizer, self.replica)
         self._purge_names = [p.name for p in purge_files(self.path)]
         self.purges = read_purges(purge_files(self.path))
