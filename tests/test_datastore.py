@@ -379,6 +379,15 @@ def test_overwrite(store, tokenizer, tmp_path):
     assert (precious / "thesis.tex").exists()
 
 
+def test_output_that_cannot_be_created(store, tokenizer, tmp_path):
+    # An output under a file (or in a read-only place) is a wrong path: named, not a traceback.
+    doc = tmp_path / "doc.txt"
+    with pytest.raises(DatastoreError, match=r"cannot create .*doc.txt/ds \(File exists: "
+                                             r".*doc.txt\); choose another output"):
+        build([doc], doc / "ds", tokenizer)
+    assert doc.is_file() and leftovers(tmp_path) == []
+
+
 def test_loading_does_not_read_the_store_into_memory(tmp_path):
     """Loading, checksums included, leaves RSS flat: arrays are mapped, hashes streamed."""
     import subprocess
