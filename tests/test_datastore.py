@@ -388,6 +388,32 @@ def test_output_that_cannot_be_created(store, tokenizer, tmp_path):
     assert doc.is_file() and leftovers(tmp_path) == []
 
 
+def test_generate_corpus_checks_its_output_before_generating(tmp_path, monkeypatch):
+    from vllm_retrieval_spec.datastore import generate
+
+    def answer(*args, **kwargs):
+        raise AssertionError("the model ran before the output was checked")
+
+    monkeypatch.setattr(generate, "answer_conversations", answer)
+    conversations = [[{"role": "user", "content": "hello"}]]
+    folder = tmp_path / "corpora"
+    folder.mkdir()
+    (folder / "mine.jsonl").write_text("precious\n")
+    # Written after generating, the directory (and what is in it) would become the file.
+    with pytest.raises(DatastoreError, match=r"corpora is a directory; give the path of the "):
+        generate.generate_corpus("model", conversations, folder, max_tokens=4)
+    assert (folder / "mine.jsonl").read_text() == "precious\n"
+    with pytest.raises(DatastoreError, match=r"cannot create .*mine.jsonl/own.jsonl \(File exi"):
+        generate.generate_corpus("model", conversations, folder / "mine.jsonl" / "own.jsonl",
+                                 max_tokens=4)
+    # A missing parent is made, as build-datastore does, before the model runs.
+    monkeypatch.setattr(generate, "answer_conversations", lambda *a, **k: ["hi"])
+    assert generate.generate_corpus("model", conversations, tmp_path / "new" / "own.jsonl",
+                                    max_tokens=4) == 1
+    assert json.loads((tmp_path / "new" / "own.jsonl").read_text())["messages"][1] == {
+        "role": "assistant", "content": "hi"}
+
+
 def test_loading_does_not_read_the_store_into_memory(tmp_path):
     """Loading, checksums included, leaves RSS flat: arrays are mapped, hashes streamed."""
     import subprocess

@@ -9,10 +9,12 @@ with the model's chat template, so stored tokens match what the model sees at se
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from vllm_retrieval_spec.atomic import atomic_path
+from vllm_retrieval_spec.datastore.format import DatastoreError
 
 
 def answer_conversations(model: str, conversations: list[list[dict[str, str]]], *,
@@ -47,6 +49,8 @@ def generate_corpus(model: str, conversations: list[list[dict[str, str]]], outpu
 
     The file appears only when complete. Returns the number of conversations written.
     """
+    output = Path(output)
+    _check_corpus_output(output)
     answers = answer_conversations(model, conversations, max_tokens=max_tokens,
                                    temperature=temperature, seed=seed, dtype=dtype)
     with atomic_path(output) as temporary, open(temporary, "w") as f:
@@ -55,3 +59,18 @@ def generate_corpus(model: str, conversations: list[list[dict[str, str]]], outpu
                                              {"role": "assistant", "content": answer}]}) + "\n")
     print(f"wrote {len(answers)} conversations to {output}", file=sys.stderr)
     return len(answers)
+
+
+def _check_corpus_output(output: Path) -> None:
+    """Before any answer is generated: a bad path found afterwards costs them all, and
+    atomic_path would replace a directory (and everything in it) with the corpus file."""
+    if output.is_dir():
+        raise DatastoreError(f"{output} is a directory; give the path of the .jsonl file to write")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DatastoreError(
+            f"cannot create {output} ({e.strerror}: {e.filename}); choose another output"
+        ) from None
+    if not os.access(output.parent, os.W_OK):
+        raise DatastoreError(f"cannot write into {output.parent}; choose another output")
