@@ -302,6 +302,29 @@ def test_bad_sources(tmp_path, tokenizer):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+def test_unreadable_jsonl(tmp_path, tokenizer):
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(json.dumps({"text": "ok"}).encode() + b'\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DatastoreError, match=r"latin1.jsonl cannot be read as UTF-8 JSON lines "
+                                             r"\('utf-8' codec can't decode byte 0xe9"):
+        build([latin1], tmp_path / "out", tokenizer)
+    # In a directory too: a .jsonl there is read as a corpus, not skipped like a binary file.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    latin1.rename(folder / "latin1.jsonl")
+    with pytest.raises(DatastoreError, match=r"latin1.jsonl cannot be read as UTF-8 JSON lines"):
+        build([folder], tmp_path / "out", tokenizer, extensions=[".jsonl"])
+    fake_gz = tmp_path / "fake.jsonl.gz"
+    fake_gz.write_text(json.dumps({"text": "not compressed"}) + "\n")
+    with pytest.raises(DatastoreError, match=r"fake.jsonl.gz cannot be read .*Not a gzipped file"):
+        build([fake_gz], tmp_path / "out", tokenizer)
+    cut_gz = tmp_path / "cut.jsonl.gz"
+    cut_gz.write_bytes(gzip.compress(json.dumps({"text": "x" * 1000}).encode())[:-12])
+    with pytest.raises(DatastoreError, match=r"cut.jsonl.gz cannot be read .*end-of-stream"):
+        build([cut_gz], tmp_path / "out", tokenizer)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
 def test_text_and_messages_field_names(tmp_path, tokenizer):
     src = tmp_path / "custom.jsonl"
     src.write_text(json.dumps({"body": "hello world"}) + "\n" + json.dumps({"turns": CHAT}) + "\n")

@@ -127,6 +127,18 @@ def jsonl_objects(lines: Iterable[str], path: str | Path,
 
 
 def _read_jsonl(path: Path, tokenizer: Any, text_field: str, messages_field: str) -> Iterator[str]:
+    try:
+        yield from _jsonl_documents(path, tokenizer, text_field, messages_field)
+    except (UnicodeDecodeError, OSError, EOFError) as e:
+        # Bytes that are not UTF-8, or a .gz that is not (whole) gzip, are the corpus's fault
+        # just like a malformed line: named, not a traceback.
+        raise DatastoreError(
+            f"{path} cannot be read as UTF-8 JSON lines ({e}); convert it to UTF-8 or leave it out"
+        ) from None
+
+
+def _jsonl_documents(path: Path, tokenizer: Any, text_field: str,
+                     messages_field: str) -> Iterator[str]:
     f: TextIO
     with (
         gzip.open(path, "rt", encoding="utf-8")
