@@ -252,6 +252,16 @@ def test_unparsable_manifest(store):
         load_datastore(store)
 
 
+@pytest.mark.parametrize("field, value", [("bytes", "152"), ("shape", 11)])
+def test_manifest_file_entry_of_the_wrong_type(store, field, value):
+    # A hand-edited manifest: once a TypeError deep in the size or header check.
+    files = json.loads((store / MANIFEST_FILE).read_text())["files"]
+    files[TOKENS_FILE][field] = value
+    edit_manifest(store, files=files)
+    with pytest.raises(DatastoreError, match=r"field 'files' must map names to \{bytes: integer"):
+        load_datastore(store)
+
+
 def test_dtype_and_shape_mismatch(store):
     files = json.loads((store / MANIFEST_FILE).read_text())["files"]
     files[TOKENS_FILE]["dtype"] = "int64"

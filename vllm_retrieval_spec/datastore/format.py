@@ -131,17 +131,34 @@ class Manifest:
         if missing:
             raise DatastoreError(f"manifest.json lacks the field(s) {', '.join(missing)}")
         for name in ("vocab_size", "num_tokens", "num_documents", "separator", "skipped_files"):
-            if name in data and (not isinstance(data[name], int) or isinstance(data[name], bool)):
+            if name in data and not _is_int(data[name]):
                 raise DatastoreError(f"manifest.json field {name!r} is not an integer")
         files = data["files"]
-        if not isinstance(files, dict) or not all(
-            isinstance(e, dict) and e.keys() >= _FILE_ENTRY_KEYS for e in files.values()
-        ):
+        if not isinstance(files, dict) or not all(map(_is_file_entry, files.values())):
             raise DatastoreError(
-                "manifest.json field 'files' must map names to {bytes, sha256, dtype, shape}"
+                "manifest.json field 'files' must map names to {bytes: integer, sha256: string, "
+                "dtype: string, shape: list of integers}"
             )
         # Unknown keys are ignored so optional indexes can add their own entries.
         return cls(**{name: data[name] for name in fields if name in data})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_file_entry(entry: Any) -> bool:
+    """Whether a ``files`` entry has the types the loader compares with (a hand-edited manifest
+    could hold a string of bytes or a bare shape, which would fail there as a TypeError)."""
+    return (
+        isinstance(entry, dict)
+        and entry.keys() >= _FILE_ENTRY_KEYS
+        and _is_int(entry["bytes"])
+        and isinstance(entry["sha256"], str)
+        and isinstance(entry["dtype"], str)
+        and isinstance(entry["shape"], list)
+        and all(map(_is_int, entry["shape"]))
+    )
 
 
 @dataclass
