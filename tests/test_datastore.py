@@ -335,6 +335,16 @@ def test_unreadable_jsonl(tmp_path, tokenizer):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+def test_missing_source_is_found_before_tokenizing(tmp_path, tokenizer):
+    first = tmp_path / "first.txt"
+    first.write_text("hello world")
+    counting = ExplodingTokenizer(tokenizer, AssertionError("never reached"))
+    with pytest.raises(DatastoreError, match=r"source .*typo.txt does not exist"):
+        build([first, tmp_path / "typo.txt"], tmp_path / "out", counting, batch_size=1)
+    assert counting.calls == 0
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
 def test_text_and_messages_field_names(tmp_path, tokenizer):
     src = tmp_path / "custom.jsonl"
     src.write_text(json.dumps({"body": "hello world"}) + "\n" + json.dumps({"turns": CHAT}) + "\n")

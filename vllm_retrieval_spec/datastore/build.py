@@ -20,6 +20,7 @@ from vllm_retrieval_spec.datastore.corpus import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EXTENSIONS,
     CorpusStats,
+    check_sources,
     iter_documents,
     write_token_id_stream,
     write_token_stream,
@@ -58,6 +59,7 @@ def build_datastore(
     a one-line summary goes to stderr in any case.
     """
     source_names = [os.fspath(s) for s in sources]
+    check_sources(source_names)
     vocab_size = tokenizer_vocab_size(tokenizer)
 
     def write_tokens(writer: Int32StreamWriter, stats: CorpusStats) -> None:

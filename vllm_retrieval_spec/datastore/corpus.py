@@ -82,6 +82,14 @@ def iter_documents(
             raise DatastoreError(f"source {path} does not exist")
 
 
+def check_sources(sources: Sequence[str | Path]) -> None:
+    """Every source exists: checked before the build, since ``iter_documents`` reaches a later
+    source only after tokenising all the earlier ones (minutes for a large directory)."""
+    for source in sources:
+        if not Path(source).exists():
+            raise DatastoreError(f"source {source} does not exist")
+
+
 def _walk(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         # Sorted in place so the walk, and with it the token stream, is deterministic.
