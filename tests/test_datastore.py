@@ -422,6 +422,17 @@ def test_overwrite(store, tokenizer, tmp_path):
     assert (precious / "thesis.tex").exists()
 
 
+def test_output_without_a_name(tmp_path, tokenizer, monkeypatch):
+    # `mkdir ds && cd ds && vllm-rsd build-datastore ... -o .`: once a ValueError traceback.
+    (tmp_path / "doc.txt").write_text("hello world")
+    (tmp_path / "ds").mkdir()
+    monkeypatch.chdir(tmp_path / "ds")
+    with pytest.raises(DatastoreError, match=r"output '\.' is not a directory name; give one, "
+                                             r"e\.g\. 'datastore'"):
+        build([tmp_path / "doc.txt"], ".", tokenizer)
+    assert list((tmp_path / "ds").iterdir()) == [] and leftovers(tmp_path) == []
+
+
 def test_output_that_cannot_be_created(store, tokenizer, tmp_path):
     # An output under a file (or in a read-only place) is a wrong path: named, not a traceback.
     doc = tmp_path / "doc.txt"

@@ -401,6 +401,12 @@ def _make_dir(directory: Path, output: Path) -> None:
 
 
 def _check_replaceable(output: Path, overwrite: bool) -> None:
+    if output.name in ("", ".."):
+        # ".", ".." or "/": no name to put the temporary directory beside and rename into place.
+        raise DatastoreError(
+            f"output {str(output)!r} is not a directory name; give one, e.g. "
+            f"{str(output / 'datastore')!r}"
+        )
     if not output.exists():
         return
     if not output.is_dir():
