@@ -121,6 +121,19 @@ def test_bench_unknown_method_is_an_error_not_a_traceback(tmp_path):
         cli.main(["bench", "--model", str(model), "--methods", "ngram,nope"])
 
 
+@pytest.mark.parametrize("model", ["empty-folder", "SmolLM2-135M"])
+def test_build_datastore_with_a_model_without_a_tokenizer(tmp_path, model):
+    # An empty folder, or a typo of the offline model's name (looked up on the unreachable hub).
+    (tmp_path / "empty-folder").mkdir()
+    (tmp_path / "doc.txt").write_text("hello")
+    model = str(tmp_path / model) if model == "empty-folder" else model
+    with pytest.raises(SystemExit, match=rf"^error: cannot load a tokenizer from '{model}' "
+                                         r"\(.*\); give a model folder or one of \['SmolLM2"):
+        cli.main(["build-datastore", str(tmp_path / "doc.txt"), "-o", str(tmp_path / "ds"),
+                  "--model", model])
+    assert not (tmp_path / "ds").exists()
+
+
 NEITHER_OR_BOTH = 'expected an object with either "prompt" .* or "messages"'
 
 

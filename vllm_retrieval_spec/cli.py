@@ -10,6 +10,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from vllm_retrieval_spec.bench.commands import (
     TASK_PROMPTS,
@@ -53,16 +54,31 @@ def expand_sources(sources: list[str]) -> list[str]:
     return expanded
 
 
+def load_tokenizer(model: str) -> Any:
+    """``model``'s tokenizer. A model without one (a typo in the name, an empty folder) is the
+    user's error: named in one line, not buried at the end of transformers' traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        from vllm_retrieval_spec.assets import offline_model_names
+
+        # transformers' messages run over many lines; for a folder, a list of possible causes.
+        reason = ("no loadable tokenizer files in the folder" if Path(model).is_dir()
+                  else str(e).strip().splitlines()[0])
+        raise SystemExit(f"error: cannot load a tokenizer from {model!r} ({reason}); give a "
+                         f"model folder or one of {list(offline_model_names())}") from None
+
+
 def build_datastore_command(args: argparse.Namespace) -> None:
     """Sources -> a new datastore; ``--dense`` adds DReSD's index (to an existing datastore
     when no sources are given)."""
     model = resolve_model(args.model)
     if args.sources:
-        from transformers import AutoTokenizer
-
         from vllm_retrieval_spec.datastore.build import build_datastore
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer(model)
         build_datastore(
             expand_sources(args.sources), args.output, tokenizer,
             tokenizer_name=Path(model).name,
