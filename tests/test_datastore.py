@@ -180,6 +180,12 @@ def test_missing_directory(tmp_path):
         load_datastore(tmp_path / "nope")
 
 
+def test_a_file_is_not_a_missing_directory(store):
+    # e.g. the corpus passed instead of the datastore: once "does not exist", which it does.
+    with pytest.raises(DatastoreError, match=r"doc.txt is a file, not a datastore directory"):
+        load_datastore(store.parent / "doc.txt")
+
+
 def test_directory_without_manifest(store):
     (store / MANIFEST_FILE).unlink()
     with pytest.raises(

@@ -183,6 +183,11 @@ def load_datastore(
     checksums, which read every byte (streamed, so memory does not grow).
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DatastoreError(
+            f"{path} is a file, not a datastore directory; give the directory that "
+            f"`vllm-rsd build-datastore -o` wrote"
+        )
     if not path.is_dir():
         raise DatastoreError(
             f"datastore directory {path} does not exist; build one with "
