@@ -121,6 +121,22 @@ def test_bench_unknown_method_is_an_error_not_a_traceback(tmp_path):
         cli.main(["bench", "--model", str(model), "--methods", "ngram,nope"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--prompts", "0"], "argument --prompts: must be 1 or more, got 0"),
+    (["bench", "-k", "-2"], "argument -k: must be 1 or more, got -2"),
+    (["bench", "--prompt-offset", "-1"], "argument --prompt-offset: must be 0 or more, got -1"),
+    (["build-datastore", "x", "-o", "y", "--batch-size", "0"],
+     "argument --batch-size: must be 1 or more, got 0"),
+    (["generate-corpus", "-o", "x", "--max-tokens", "many"],
+     "argument --max-tokens: 'many' is not an integer"),
+])
+def test_counts_below_their_least_are_refused_by_the_parser(capsys, argv, message):
+    # Before: a batch of 0 silently tokenised one document at a time, 0 prompts ran none.
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model", ["empty-folder", "SmolLM2-135M"])
 def test_build_datastore_with_a_model_without_a_tokenizer(tmp_path, model):
     # An empty folder, or a typo of the offline model's name (looked up on the unreachable hub).

@@ -466,12 +466,19 @@ def test_generate_corpus_checks_its_output_before_generating(tmp_path, monkeypat
     with pytest.raises(DatastoreError, match=r"cannot create .*mine.jsonl/own.jsonl \(File exi"):
         generate.generate_corpus("model", conversations, folder / "mine.jsonl" / "own.jsonl",
                                  max_tokens=4)
+    # An earlier corpus (hours of answers, perhaps) is replaced only when asked.
+    with pytest.raises(DatastoreError, match=r"mine.jsonl exists; pass --overwrite to replace"):
+        generate.generate_corpus("model", conversations, folder / "mine.jsonl", max_tokens=4)
+    assert (folder / "mine.jsonl").read_text() == "precious\n"
     # A missing parent is made, as build-datastore does, before the model runs.
     monkeypatch.setattr(generate, "answer_conversations", lambda *a, **k: ["hi"])
     assert generate.generate_corpus("model", conversations, tmp_path / "new" / "own.jsonl",
                                     max_tokens=4) == 1
     assert json.loads((tmp_path / "new" / "own.jsonl").read_text())["messages"][1] == {
         "role": "assistant", "content": "hi"}
+    assert generate.generate_corpus("model", conversations, folder / "mine.jsonl", max_tokens=4,
+                                    overwrite=True) == 1
+    assert "precious" not in (folder / "mine.jsonl").read_text()
 
 
 def test_loading_does_not_read_the_store_into_memory(tmp_path):

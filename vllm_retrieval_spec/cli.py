@@ -9,6 +9,7 @@ import shlex
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,21 @@ def expand_sources(sources: list[str]) -> list[str]:
         else:
             expanded.append(source)
     return expanded
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= low``. A count of 0 or less would silently mean
+    something else (a batch of 1, no prompts) or fail deep inside a run."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+        return value
+
+    return parse
 
 
 def load_tokenizer(model: str) -> Any:
@@ -109,7 +125,8 @@ def generate_corpus_command(args: argparse.Namespace) -> None:
 
     generate_corpus(
         resolve_model(args.model), task_conversations(args.task, args.prompts, args.prompt_offset),
-        args.output, max_tokens=args.max_tokens, temperature=args.temperature, dtype=args.dtype)
+        args.output, max_tokens=args.max_tokens, temperature=args.temperature, dtype=args.dtype,
+        overwrite=args.overwrite)
 
 
 def inspect_command(args: argparse.Namespace) -> None:
@@ -212,15 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jsonl field holding chat messages (rendered with the chat template)")
     p.add_argument("--extensions", default=".py",
                    help="comma-separated file suffixes read from directories")
-    p.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer call")
+    p.add_argument("--batch-size", type=int_at_least(1), default=256,
+                   help="documents per tokenizer call")
     p.add_argument("--overwrite", action="store_true", help="replace an existing datastore")
     p.add_argument("--dense", action="store_true",
                    help="also build DReSD's dense index from the model's final hidden states "
                         "(runs the model over every token: ~300 tokens/s on 2 CPU cores)")
-    p.add_argument("--pca-dims", type=int, default=64, help="dense key dimensions")
-    p.add_argument("--dense-fit-samples", type=int, default=1_000_000,
+    p.add_argument("--pca-dims", type=int_at_least(1), default=64,
+                   help="dense key dimensions")
+    p.add_argument("--dense-fit-samples", type=int_at_least(1), default=1_000_000,
                    help="hidden states sampled to fit the z-score statistics and PCA")
-    p.add_argument("--dense-window", type=int, default=1024,
+    p.add_argument("--dense-window", type=int_at_least(1), default=1024,
                    help="tokens per forward window (longer documents are cut, with overlap)")
     p.add_argument("--dense-index", choices=("scann", "exact"), default="scann",
                    help="also build a ScaNN searcher, or keep exact search only")
@@ -231,13 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate-corpus",
                        help="the model's own answers to task prompts, as a chat jsonl corpus")
     p.add_argument("-o", "--output", required=True, help="jsonl file to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--task", default="code-gen",
                    help="prompt set (see vllm_retrieval_spec/bench/tasks.py)")
-    p.add_argument("--prompts", type=int, default=None, help="how many (default: all)")
-    p.add_argument("--prompt-offset", type=int, default=0,
+    p.add_argument("--prompts", type=int_at_least(1), default=None,
+                   help="how many (default: all)")
+    p.add_argument("--prompt-offset", type=int_at_least(0), default=0,
                    help="skip this many (keep benchmark prompts out of the datastore)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", help="as served (our benchmarks use float32)")
     p.set_defaults(func=generate_corpus_command)
@@ -266,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-model", choices=("rest", "pld", "pld_plus", "hybrid", "dresd"),
                    help="retrieval method (shorthand for --speculative-config)")
     p.add_argument("--datastore", help="with --speculative-model: the datastore directory")
-    p.add_argument("--num-speculative-tokens", type=int,
+    p.add_argument("--num-speculative-tokens", type=int_at_least(1),
                    help="with --speculative-model: longest draft (default 8)")
     p.add_argument("--speculative-options",
                    help='with --speculative-model: other options as JSON, e.g. {"top_n": 16}')
@@ -291,19 +312,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help='extra options per method as JSON, e.g. {"rest": '
                         '{"max_occurrences": 32}}; a key METHOD:NAME or METHOD@NAME applies '
                         "to that row alone, over the method's")
-    p.add_argument("-k", type=int, default=8, help="num_speculative_tokens (not for suffix, "
-                                                   "which runs at vLLM's defaults)")
+    p.add_argument("-k", type=int_at_least(1), default=8,
+                   help="num_speculative_tokens (not for suffix, which runs at vLLM's defaults)")
     p.add_argument("--tasks", help="comma-separated: code-gen, summarize, code-edit, "
                                    "chat-open, chat (default: code-gen, or none with "
                                    "--prompts-file)")
     p.add_argument("--prompts-file", action="append",
                    help='your own prompts, repeatable: a jsonl file of {"prompt": "..."} or '
                         '{"messages": [...]} lines, benchmarked as a task named after the file')
-    p.add_argument("--prompts", type=int, default=None,
+    p.add_argument("--prompts", type=int_at_least(1), default=None,
                    help=f"per task (default: {TASK_PROMPTS} of a task, all of a prompts file)")
-    p.add_argument("--prompt-offset", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=1,
+    p.add_argument("--prompt-offset", type=int_at_least(0), default=0)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=128)
+    p.add_argument("--concurrency", type=int_at_least(1), default=1,
                    help="requests submitted together (default: one at a time)")
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time (~3 GB) instead of all alive, taking turns "
@@ -319,15 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--contexts", default="50,700", help="prompt lengths in tokens")
     p.add_argument("--lengths", default="0,1,2,3,4,6,8,12,16", help="draft lengths")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=32, help="steps per measurement")
+    p.add_argument("--repeats", type=int_at_least(1), default=3)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=32,
+                   help="steps per measurement")
     p.add_argument("-o", "--output", help="also write the options and the step times as JSON")
     p.add_argument("--verbose", action="store_true", help="show vLLM's log")
     p.set_defaults(func=calibrate_command)
 
     p = sub.add_parser("demo", help="fetch the model, build a stdlib datastore, compare methods")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int_at_least(1), default=4)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=128)
     p.add_argument("--output-dir", help="where demo.json/.md/.png go (default: the cache's demo/)")
     p.add_argument("--verbose", action="store_true", help="show vLLM's log")
     p.set_defaults(func=demo_command)

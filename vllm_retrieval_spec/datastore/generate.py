@@ -44,13 +44,14 @@ def answer_conversations(model: str, conversations: list[list[dict[str, str]]], 
 
 def generate_corpus(model: str, conversations: list[list[dict[str, str]]], output: str | Path, *,
                     max_tokens: int, temperature: float = 0.0, seed: int = 0,
-                    dtype: str = "float32") -> int:
-    """Answer every conversation with ``model``; write them to ``output`` as a chat jsonl.
+                    dtype: str = "float32", overwrite: bool = False) -> int:
+    """Answer every conversation with ``model``; write them to ``output`` as a chat jsonl
+    (an existing file only with ``overwrite``: it may hold hours of answers).
 
     The file appears only when complete. Returns the number of conversations written.
     """
     output = Path(output)
-    _check_corpus_output(output)
+    _check_corpus_output(output, overwrite)
     answers = answer_conversations(model, conversations, max_tokens=max_tokens,
                                    temperature=temperature, seed=seed, dtype=dtype)
     with atomic_path(output) as temporary, open(temporary, "w") as f:
@@ -61,11 +62,13 @@ def generate_corpus(model: str, conversations: list[list[dict[str, str]]], outpu
     return len(answers)
 
 
-def _check_corpus_output(output: Path) -> None:
+def _check_corpus_output(output: Path, overwrite: bool) -> None:
     """Before any answer is generated: a bad path found afterwards costs them all, and
     atomic_path would replace a directory (and everything in it) with the corpus file."""
     if output.is_dir():
         raise DatastoreError(f"{output} is a directory; give the path of the .jsonl file to write")
+    if output.exists() and not overwrite:
+        raise DatastoreError(f"{output} exists; pass --overwrite to replace it")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
