@@ -298,6 +298,21 @@ def test_missing_dense_index(tmp_path):
         DenseIndex.from_path(path)
 
 
+@pytest.mark.parametrize("entry", [{"bytes": "152"}, {"shape": 11}, None])
+def test_a_dense_manifest_file_entry_of_the_wrong_type(tmp_path, entry):
+    """A hand-edited dense/manifest.json is a one-line 'rebuild it', not a TypeError."""
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    manifest = path / "dense" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["files"]["keys.npy"] = None if entry is None else {**data["files"]["keys.npy"], **entry}
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(DatastoreError, match=r"dense/manifest.json is unusable \(its 'files' "
+                                             r"must map names to .*\); rebuild it with"):
+        DenseIndex.from_path(path)
+
+
 def test_small_store_has_no_scann_searcher(tmp_path):
     states, labels = clustered_states(100)
     path = make_store(tmp_path, [labels.tolist()])

@@ -38,6 +38,7 @@ from vllm_retrieval_spec.datastore.format import (
     Datastore,
     DatastoreError,
     describe_file,
+    is_file_entry,
     file_sha256,
     load_datastore,
     read_npy_header,
@@ -210,6 +211,10 @@ def load_dense_manifest(path: Path, datastore: Datastore) -> DenseManifest:
                 f"{DENSE_KIND!r} version {DENSE_FORMAT_VERSION}")
         names = {f.name for f in dataclasses.fields(DenseManifest)}
         manifest = DenseManifest(**{k: v for k, v in data.items() if k in names})
+        if not isinstance(manifest.files, dict) or not all(
+                map(is_file_entry, manifest.files.values())):
+            raise DatastoreError("its 'files' must map names to {bytes: integer, sha256: "
+                                 "string, dtype: string, shape: list of integers}")
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise DatastoreError(f"{manifest_path} is unusable ({e}); {DENSE_REBUILD_HINT}") from None
     if manifest.tokens_sha256 != datastore.manifest.files[TOKENS_FILE]["sha256"]:

@@ -134,7 +134,7 @@ class Manifest:
             if name in data and not _is_int(data[name]):
                 raise DatastoreError(f"manifest.json field {name!r} is not an integer")
         files = data["files"]
-        if not isinstance(files, dict) or not all(map(_is_file_entry, files.values())):
+        if not isinstance(files, dict) or not all(map(is_file_entry, files.values())):
             raise DatastoreError(
                 "manifest.json field 'files' must map names to {bytes: integer, sha256: string, "
                 "dtype: string, shape: list of integers}"
@@ -147,7 +147,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_file_entry(entry: Any) -> bool:
+def is_file_entry(entry: Any) -> bool:
     """Whether a ``files`` entry has the types the loader compares with (a hand-edited manifest
     could hold a string of bytes or a bare shape, which would fail there as a TypeError)."""
     return (
