@@ -31,9 +31,10 @@ class SuffixPeer:
         if unknown:
             raise ValueError(f"unknown suffix option(s) {sorted(unknown)}; allowed: "
                              f"num_speculative_tokens, {', '.join(sorted(spec))}")
-        # vLLM drafts as deep as the tree when num_speculative_tokens is not given.
-        spec = {"num_speculative_tokens": spec["suffix_decoding_max_tree_depth"],
-                **spec, **options}
+        spec = {**spec, **options}
+        # vLLM drafts as deep as the tree when num_speculative_tokens is not given: the tree's
+        # depth as configured (SpeculativeConfig sets it after the options), not its default.
+        spec.setdefault("num_speculative_tokens", spec["suffix_decoding_max_tree_depth"])
         self.k, self.max_model_len = spec["num_speculative_tokens"], max_model_len
         self.proposer = SuffixDecodingProposer(SimpleNamespace(
             speculative_config=SimpleNamespace(**spec),

@@ -230,6 +230,19 @@ def test_suffix_peer_replays_vllms_suffix_decoding():
         SuffixPeer({"max_tree_depth": 8}, 1024)
 
 
+def test_suffix_peer_drafts_as_deep_as_its_configured_tree():
+    """As vLLM's SpeculativeConfig: without num_speculative_tokens, suffix drafts up to the
+    tree depth it is given, not up to the default depth's."""
+    from vllm.config import SpeculativeConfig
+
+    deep = SuffixPeer({"suffix_decoding_max_tree_depth": 48}, 1024)
+    assert deep.k == deep.proposer.num_speculative_tokens == deep.proposer.max_tree_depth == 48
+    vllm_k = SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=48)
+    assert vllm_k.num_speculative_tokens == 48
+    given = SuffixPeer({"suffix_decoding_max_tree_depth": 48, "num_speculative_tokens": 8}, 1024)
+    assert given.k == 8
+
+
 def test_ngram_peer_replays_vllms_ngram_proposer():
     """vLLM's own n-gram proposer drafts from the request's context only: a repeated phrase is
     drafted (k tokens after the longest 2..4-gram match); nothing is learned across requests."""
