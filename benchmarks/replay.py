@@ -369,17 +369,14 @@ class Replay:
 
 def summarize(runs: list[Replay], counters: list[dict[str, Any]]) -> dict[str, Any]:
     """The runs' steps together (a fleet's replicas: one run each) and their drafters'
-    ``counters``, summed. ``modeled_speedup``: output tokens over the forwards' summed cost where
-    the step costs are measured; else tokens per forward / (1 + ``draft_token_cost`` x mean
-    draft length), as long weak drafts lose time."""
+    ``counters``, summed. ``modeled_speedup``: output tokens over the forwards' summed cost
+    (``StepCosts``) in steps without a draft, as plain decoding takes one per token; the
+    prefills' forwards, which verify no draft, count too."""
     output_tokens = sum(run.output_tokens for run in runs)
     forwards = sum(run.forwards for run in runs)
     tokens_per_forward = output_tokens / max(forwards, 1)
     mean_draft_len = sum(run.drafted for run in runs) / max(sum(r.decode_steps for r in runs), 1)
-    costs = runs[0].costs
-    modeled = output_tokens / max(sum(run.cost for run in runs), 1e-9) \
-        if costs.curve is not None \
-        else tokens_per_forward / (1 + costs.draft_token_cost * mean_draft_len)
+    modeled = output_tokens / max(sum(run.cost for run in runs), 1e-9)
     us = np.asarray([ns for run in runs for ns in run.draft_ns] or [0]) / 1e3
     stats: dict[str, Any] = {}
     for counts in counters:

@@ -55,13 +55,24 @@ def test_replay_counts_forwards_as_the_engine_would():
                      [[23, 24, 5]], [[5, 6, 7]]]
     assert result["tokens_per_forward"] == round(19 / 6, 3)
     assert result["mean_draft_len"] == 3.0
-    assert result["modeled_speedup"] == round(19 / 6 / (1 + 0.1 * 3), 3)
+    # 19 tokens in 6 forwards, 5 of them verifying 3 tokens at 0.1 of a step each.
+    assert result["modeled_speedup"] == round(19 / (6 + 5 * 3 * 0.1), 3)
     # Nothing repeats: no draft, one token per forward.
     never, trace = replay(build_proposer({"method": "pld", **EXACT}, VLLM_CPU_DEFAULTS),
                           [{"prompt": [1, 2], "output": list(range(10, 20))}], StepCosts(0.1))
     assert trace == [[[]]] * 10
     assert (never["tokens_per_forward"], never["mean_draft_len"], never["modeled_speedup"]) == \
         (1.0, 0.0, 1.0)
+
+
+def test_a_linear_cost_models_as_the_same_measured_curve():
+    """1 + draft_token_cost x d a step, given as a constant or as a measured curve, models the
+    same speedup: output tokens over the steps' summed cost, the prefills' forwards included
+    (not tokens per forward over the cost of a decode step's mean draft)."""
+    proposer = lambda: build_proposer({"method": "pld", **EXACT}, VLLM_CPU_DEFAULTS)  # noqa
+    linear, _ = replay(proposer(), [REPEATING], StepCosts(0.1))
+    curve, _ = replay(proposer(), [REPEATING], StepCosts(0.1, [1 + 0.1 * d for d in range(4)]))
+    assert linear["modeled_speedup"] == curve["modeled_speedup"] == round(19 / 7.5, 3)
 
 
 def test_replay_drafts_what_the_proposer_drafts_driven_directly():
