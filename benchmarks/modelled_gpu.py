@@ -72,7 +72,7 @@ def modelled_rows(records: list[dict[str, Any]], configs: dict[str, dict], chain
                                    tree_verify_cost=tree_cost if "tree" in options else None)
             rows.append({"task": task, "method": name, "config": options, "prompts": len(ours),
                          **{key: result[key] for key in ("modeled_speedup", "tokens_per_forward",
-                                                         "mean_draft_len")}})
+                                                         "mean_draft_len", "draft_us_p50")}})
         suffix = next(r for r in rows if r["task"] == task and r["method"] == "suffix")
         for row in rows:
             if row["task"] == task:
@@ -117,14 +117,18 @@ def main(argv: list[str] | None = None) -> None:
     body = [f"Modelled, not measured in an engine: tokens per forward replayed from recorded "
             f"outputs, step times from `{args.chain_cost}` and `{args.tree_cost}`; our methods "
             f"at the accelerator's defaults with draft_token_cost "
-            f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}.",
+            f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}. "
+            f"Step times leave drafting out: with `precompute_drafts` (the accelerator's "
+            f"default) a step's draft is made while its forward runs; the drafting column is "
+            f"replay's own time per step on this machine, for scale.",
             "", f"What the chain curve implies (`vllm-rsd calibrate`'s rules, draft lengths up "
             f"to {CHAIN_LENGTHS}): `{json.dumps(calibrated)}`.",
             "", *markdown_table([("task", "task"), ("method", "method"),
                                  ("modelled speedup", "modeled_speedup"),
                                  ("vs suffix", "vs_suffix"),
                                  ("tokens/forward", "tokens_per_forward"),
-                                 ("mean draft", "mean_draft_len")], rows),
+                                 ("mean draft", "mean_draft_len"),
+                                 ("drafting (us/step, p50)", "draft_us_p50")], rows),
             "", "As README's table (modelled speedup over plain decoding, over suffix's in "
             "brackets):", "",
             *markdown_table([("method", "method"), *((task, task) for task in tasks)],
