@@ -61,7 +61,7 @@ def between_steps(kind: str, model: Any) -> Callable[[np.ndarray], None]:
 def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Callable,
                  max_steps: int) -> np.ndarray:
     """Nanoseconds of each ``propose`` over the records' greedy steps (a request at a time;
-    finished requests leave the batch, so a served store learns from them)."""
+    each is finished as vLLM finishes it, so a served store learns from them)."""
     times: list[int] = []
     width = max(len(r["prompt"]) + len(r["output"]) for r in records) + 1
     buffer = np.zeros((1, width), dtype=np.int32)
@@ -85,7 +85,7 @@ def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Ca
                 accepted += 1
             sampled = tokens[position:position + accepted + 1]
             position += accepted + 1
-        proposer.observe_batch([], [])
+        proposer.observe_finished({f"request-{n}"})
     return np.asarray(times[len(times) // 10:])  # the first steps compile and warm up
 
 

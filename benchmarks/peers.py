@@ -47,6 +47,9 @@ class SuffixPeer:
         self.req_ids = req_ids
         self.prompt_lens = {r: n for r, n in self.prompt_lens.items() if r in set(req_ids)}
 
+    def observe_finished(self, req_ids: set[str]) -> None:
+        pass  # vLLM's proposer stops the requests absent from a batch itself
+
     def propose(self, sampled: list[list[int]], num_tokens: np.ndarray,
                 token_ids: np.ndarray) -> list[list[int]]:
         for req_id, tokens, n in zip(self.req_ids, sampled, num_tokens):
@@ -91,6 +94,9 @@ class NgramPeer:
         self.trees: dict[str, Any] = {}  # no trees
 
     def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None) -> None:
+        pass
+
+    def observe_finished(self, req_ids: set[str]) -> None:
         pass
 
     def propose(self, sampled: list[list[int]], num_tokens: np.ndarray,

@@ -14,7 +14,8 @@ to tune drafting rules; confirm winners with ``vllm-rsd bench``.
 One JSON line per task and config; ``{"method": "suffix"}`` and ``{"method": "ngram"}`` are
 vLLM's own methods (``benchmarks.peers``).
 Each task's records are served in file order, ``--batch`` at a time, by a fresh drafter; a
-request is finished once it leaves the batch, so a served store learns as in the engine.
+request that generated its output is finished (``observe_finished``), so a served store learns
+as in the engine.
 ``--replicas 1,2,4,8`` deals them round-robin to a fleet of that many drafters of each config:
 hybrid's replicas share one ``served_datastore`` (each drafts from every replica's finished
 requests, through the journals), vLLM's ``suffix`` learns from its own replica's only.
@@ -245,8 +246,6 @@ class Replay:
         self.output_tokens = self.forwards = self.decode_steps = self.drafted = 0
         self.cost = 0.0
         self.draft_ns: list[int] = []
-        #: Whether requests left the batch after the last step.
-        self.left = False
         self.waiting: deque[tuple[int, dict[str, Any]]] = deque()
         self.running: list[Request] = []
 
@@ -271,7 +270,11 @@ class Replay:
             return False
         self.step(self.running)
         running = [r for r in self.running if r.done < len(r.record["output"])]
-        self.left, self.running = len(running) < len(self.running), running
+        if len(running) < len(self.running):
+            # As vLLM's next step starts, off the drafting time (a served store indexes them).
+            self.drafter.observe_finished({r.req_id for r in self.running} -
+                                          {r.req_id for r in running})
+        self.running = running
         return True
 
     def step(self, batch: list[Request]) -> None:
@@ -290,13 +293,10 @@ class Replay:
         start = time.perf_counter_ns()
         if states is not None:
             drafter.search_ahead(states)
-        observed = time.perf_counter_ns()
         # Every request is greedy, so each may get a tree; a task's requests share a store key.
         drafter.observe_batch(req_ids, [True] * len(batch) if caps.trees else None,
                               [r.record.get("task") for r in batch]
                               if caps.served_store_keys else None)
-        if self.left:  # a served store indexed them, in the background in the engine
-            start += time.perf_counter_ns() - observed
         if caps.drafts_before_sampling:
             drafter.draft_before_sampling(sampled, [r.draft for r in batch], base, self.tokens)
         if aux is not None:

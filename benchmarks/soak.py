@@ -399,7 +399,7 @@ def lost_requests(outcomes: list[Outcome], documents: list[np.ndarray], killed_a
 def served_drafts(port: int, model: str, prompt: list[int], max_tokens: int
                   ) -> tuple[list[int], float, float]:
     """(greedy output, its tokens per target forward, the store's tokens) from the server's
-    counters. The request itself is stored when it leaves the batch, at the engine's next
+    counters. The request itself is stored when vLLM says it finished, at the engine's next
     step: after a server's first request the gauge holds what it loaded."""
     before = metrics(port)
     status, output = complete(port, model, prompt, temperature=0.0, stream=False,

@@ -44,7 +44,7 @@ def replica(path, name: str, *, max_tokens: int = 1000, keyed: bool = False,
 
 
 def serve(directory: ServedDirectory, request_id: str, tokens, key: str | None = None) -> None:
-    """What ``ServedRequests`` does when a request leaves the batch: store it, journal it."""
+    """What ``ServedRequests`` does when vLLM finishes a request: store it, journal it."""
     digest = directory.key_of(key)
     if directory.keyed:
         document = directory.stores.add(digest, request_id, tokens)

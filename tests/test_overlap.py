@@ -267,7 +267,7 @@ def test_served_store_learns_alike_when_drafting_before_sampling(datastore):
             {"method": "hybrid", "num_speculative_tokens": 6, "min_prefix_prob": 0.0,
              "min_draft_len": 1, "draft_budget_ms": 0}, WIDTH))
         first = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every, "r1")
-        proposer.observe_batch([])  # r1 has finished
+        proposer.observe_finished({"r1"})
         assert proposer.method.learning.shared.wait_indexed()
         stored = [d.tolist() for d in proposer.method.learning.shared.documents()]
         second = _decode_drafting_before_sampling(proposer, truth, 4, wrong_every, "r2")

@@ -213,7 +213,7 @@ def test_a_request_vllm_finished_is_journaled_before_any_other_step(tmp_path):
 
 
 def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
-    """With no datastore at all: request "a" generates 10..19; once it has left the batch a
+    """With no datastore at all: request "a" generates 10..19; once vLLM has finished it a
     new request that reaches "10 11" is drafted its continuation. With served_datastore the
     store is journaled (closing stores and journals the requests still in a batch), and a new
     proposer starts from the journal."""
@@ -228,7 +228,8 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
         proposer.propose([[10]], np.array([3], dtype=np.int32), tokens)  # prefill of "a"
         proposer.propose([output[1:]], lengths, tokens)  # the rest, as one step
         tokens, lengths = batch([7, 8, 10, 11])
-        proposer.observe_batch(["b"])  # "a" left: it is served
+        proposer.observe_finished({"a"})  # it is served
+        proposer.observe_batch(["b"])
         assert proposer.method.learning.shared.wait_indexed()
         assert proposer.stats()["served_store_tokens"] == 12  # prompt and output
         assert proposer.propose([[11]], lengths, tokens) == [[12, 13, 14, 15]]
@@ -254,6 +255,45 @@ def test_hybrid_learns_from_requests_that_left_the_batch(tmp_path):
         restarted.close()
 
 
+@pytest.mark.parametrize("served_prompts", [False, True])
+def test_hybrid_stores_a_preempted_request_once_whole_when_vllm_finishes_it(served_prompts):
+    """vLLM takes a preempted request (or a running one it did not schedule this step) out of
+    its batch and puts it back later with its prompt and output (recomputed): absent from a
+    batch is not finished. It is stored once vLLM finishes it, once, as vLLM returned it."""
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+    proposer = RetrievalProposer(vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+                                              "served_prompts": served_prompts,
+                                              "precompute_drafts": False}))
+    try:
+        store = proposer.method.learning.shared
+        # "a": prompt 1 2 3, it samples 10, then 11; "b" decodes beside it.
+        tokens, _ = batch([1, 2, 3, 10, 11], [5, 6, 30])
+        proposer.observe_batch(["a", "b"])
+        proposer.propose([[10], [30]], np.array([4, 3]), tokens)
+        proposer.observe_batch(["a", "b"])
+        proposer.propose([[11], []], np.array([5, 3]), tokens)
+        # "a" preempted: "b" decodes alone, in row 0.
+        tokens, _ = batch([5, 6, 30, 31])
+        proposer.observe_batch(["b"])
+        proposer.propose([[31]], np.array([4]), tokens)
+        proposer.after_handover()
+        assert store.num_documents == 0
+        # "a" back in row 1, its prompt and output recomputed: it samples 12, then 13.
+        tokens, _ = batch([5, 6, 30, 31, 32], [1, 2, 3, 10, 11, 12, 13])
+        proposer.observe_batch(["b", "a"])
+        proposer.propose([[32], [12]], np.array([5, 6]), tokens)
+        proposer.observe_batch(["b", "a"])
+        proposer.propose([[], [13]], np.array([5, 7]), tokens)
+        proposer.after_handover()
+        assert store.num_documents == 0
+        proposer.observe_finished({"a"})
+        prompt = [1, 2, 3] if served_prompts else []
+        assert [d.tolist() for d in store.documents()] == [prompt + [10, 11, 12, 13]]
+    finally:
+        proposer.close()
+
+
 def test_hybrid_per_request_stores_learn_only_within_a_key():
     """``served_store: "per_request"``: "a" (key "x") generates 10..19; after it left, a request
     with key "x" is drafted its continuation, one with key "y" or with no key is not; a request
@@ -270,9 +310,10 @@ def test_hybrid_per_request_stores_learn_only_within_a_key():
         proposer.observe_batch(["a", "anonymous"], None, ["x", None])
         proposer.propose([[10], [30]], np.array([3, 3], dtype=np.int32), tokens)
         proposer.propose([output[1:], [31]], lengths, tokens)
-        proposer.observe_batch(["b", "c", "d"], None, ["x", "y", None])  # "a" left: served
+        proposer.observe_finished({"a", "anonymous"})  # served
+        proposer.observe_batch(["b", "c", "d"], None, ["x", "y", None])
         assert proposer.method.learning.keyed.get("x").wait_indexed()
-        # Prompt and output of "a"; "anonymous" left too but named no store.
+        # Prompt and output of "a"; "anonymous" finished too but named no store.
         stats = proposer.stats()
         assert (stats["served_store_tokens"], stats["served_store_requests"],
                 stats["served_store_keys"]) == (12, 1, 1)

@@ -156,7 +156,7 @@ def test_expand_grid():
 
 def test_replay_learns_from_served_records_in_order():
     """The second of two identical requests is drafted from the first one's prompt and output
-    once the first left the batch, as the engine's served store would; not while both
+    once the first finished, as the engine's served store would; not while both
     decode."""
     record = {"prompt": [1, 2], "output": list(range(100, 130))}
     options = {"method": "hybrid", "num_speculative_tokens": 8, "pad_drafts": False}
@@ -167,7 +167,7 @@ def test_replay_learns_from_served_records_in_order():
     assert trace[30:] == [[list(range(101, 107))], [list(range(108, 116))],
                           [list(range(117, 125))], [list(range(126, 130))], [[]]]
     assert result["tokens_per_forward"] == round(60 / (30 + 5), 3)
-    assert result["stats"]["served_store_requests"] == 1  # the second is stored at close
+    assert result["stats"]["served_store_requests"] == 2  # each as it finished
     together, trace = replay(build_proposer(options, VLLM_CPU_DEFAULTS), [record, record],
                              batch=2)
     assert trace == [[[], []]] * 30

@@ -107,7 +107,7 @@ def test_background_indexing_swaps_in_a_complete_snapshot():
         store.close()
 
 
-def test_requests_enter_the_store_when_they_leave_the_batch():
+def test_requests_enter_the_store_when_vllm_finishes_them():
     store = ServedStore(1000, background=False)
     tracker = ServedRequests(store, include_prompts=False)
     token_ids = np.zeros((2, 16), dtype=np.int32)
@@ -118,14 +118,13 @@ def test_requests_enter_the_store_when_they_leave_the_batch():
     # Step 2: "a" accepted two draft tokens and sampled a bonus; "b" is in a partial step.
     token_ids[0, 4:7] = [11, 12, 13]
     tracker.observe(["a", "b"], [[11, 12, 13], []], np.array([7, 3]), token_ids)
-    tracker.finish_absent(["a", "b"])
     assert store.num_documents == 0
     # "a" finished; "b" now sits in row 0 (rows are reused).
+    tracker.finish({"a"})
     token_ids[0, :4] = [4, 5, 20, 21]
-    tracker.finish_absent(["b"])
     tracker.observe(["b"], [[21]], np.array([4]), token_ids)
     assert [d.tolist() for d in store.documents()] == [[10, 11, 12, 13]]
-    tracker.finish_absent([])
+    tracker.finish({"b", "never-seen"})
     assert [d.tolist() for d in store.documents()] == [[10, 11, 12, 13], [20, 21]]
 
 
@@ -134,7 +133,7 @@ def test_prompts_are_stored_when_asked():
     tracker = ServedRequests(store, include_prompts=True)
     token_ids = np.array([[1, 2, 3, 10]], dtype=np.int32)
     tracker.observe(["a"], [[10]], np.array([4]), token_ids)
-    tracker.finish_absent([])
+    tracker.finish_all()
     assert [d.tolist() for d in store.documents()] == [[1, 2, 3, 10]]
 
 
@@ -234,7 +233,7 @@ def test_requests_without_a_key_are_not_kept_for_keyed_stores():
     tracker.observe(["a", "b", "c"], [[10], [20], [30]], np.array([3, 3, 3]), token_ids,
                     ["x", None, "x"])
     assert sorted(tracker.running) == ["a", "c"]
-    tracker.finish_absent([])
+    tracker.finish_all()
     assert sorted(d.tolist() for d in stores.get("x").documents()) == [[10], [30]]
     assert stores.num_stores == 1 and not tracker.keys
 

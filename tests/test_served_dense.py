@@ -144,7 +144,7 @@ def test_served_requests_hand_states_at_their_document_positions(include_prompts
                     [(states[:1], np.array([2]))])
     tracker.observe(["a"], [[11, 12]], np.array([6]), token_ids, None,
                     [(states[1:], np.array([3, 4]))])
-    tracker.finish_absent([])
+    tracker.finish_all()
     # The state at context position 3 predicted 11: emitting 11 drafts 12.
     assert candidate_lists(dense, states[1], emitted=11, top_n=1)[0] == [[12]]
     # The prefill's state predicted the first output token: a key only when the prompt is
@@ -180,7 +180,8 @@ def test_hybrid_drafts_from_the_served_states_of_finished_requests():
             tokens, lengths = batch(context, width=128)
             proposer.record_last_hidden_states(torch.from_numpy(states[step:step + 1]), [0])
             proposer.propose([[token]], lengths, tokens)
-        proposer.observe_batch(["b"], None)  # "a" left: served
+        proposer.observe_finished({"a"})  # served
+        proposer.observe_batch(["b"], None)
         proposer.method.learning.dense.wait_indexed()
         assert proposer.stats()["served_dense_keys"] == len(output)
         # "b" emits 16 after unrelated tokens, from the state that predicted 16 in "a".

@@ -1,5 +1,5 @@
 """Which requests the served store learns from: each running request's tokens as the drafter
-sees them, handed to the store when the request leaves the batch (``datastore.served``)."""
+sees them, handed to the store when vLLM finishes the request (``datastore.served``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore
 
 class ServedRequests:
     """Each running request's tokens as last seen by the drafter, handed to a ``ServedStore``
-    (or, with keys, to its key's store in ``KeyedServedStores``) when the request leaves the
-    batch.
+    (or, with keys, to its key's store in ``KeyedServedStores``) when vLLM says it finished
+    (``finish``: ``Drafter.observe_finished``).
 
-    vLLM gives a ``custom_class`` drafter no "request finished" call: a request is finished
-    (or preempted; a resumed one replaces its entry) when it is no longer in the batch.
+    A request that is only absent from the batch is not finished: vLLM takes preempted
+    requests, and running ones it did not schedule this step, out of its batch and puts them
+    back later with the same tokens (a preempted one's KV recomputed), so their entry is kept
+    and grows on from where it was.
     """
 
     def __init__(self, store: ServedStore | KeyedServedStores, include_prompts: bool,
@@ -82,12 +84,8 @@ class ServedRequests:
 
     def finish_all(self) -> None:
         """Hand every tracked request to the store (the engine is shutting down: the last
-        requests never leave a batch)."""
-        self.finish_absent(())
-
-    def finish_absent(self, req_ids: Sequence[str]) -> None:
-        """Hand every tracked request that is no longer in the batch to the store."""
-        self.finish(self.running.keys() - set(req_ids))
+        requests never finish)."""
+        self.finish(list(self.running))
 
     def finish(self, req_ids: Iterable[str]) -> None:
         """Hand these requests to the store (those tracked: a request seen by no step has

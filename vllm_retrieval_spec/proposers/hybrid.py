@@ -79,8 +79,8 @@ class StepQueries:
 
 
 class ServedLearning:
-    """What hybrid learns from: every request that leaves the batch is stored (its prompt and
-    output) in the served store every request drafts from, or in the store its key names; with
+    """What hybrid learns from: every request vLLM finishes is stored (its prompt and output)
+    in the served store every request drafts from, or in the store its key names; with
     ``served_dense`` its final hidden states too. With ``served_datastore`` every stored request
     is journaled there as well, and the stores start from it and learn from the other replicas
     sharing it (``datastore.served_saver``)."""
@@ -138,8 +138,6 @@ class ServedLearning:
         return self.row_stores[row] if row < len(self.row_stores) else None
 
     def begin_step(self, req_ids: list[str], keys: list[str | None] | None) -> None:
-        # Requests that left the batch are finished: what they generated is served.
-        self.requests.finish_absent(req_ids)
         if self.keyed is not None:
             keys = keys or [None] * len(req_ids)
             # On disk and in memory a key is its salted digest (``ServedDirectory.key_of``).
