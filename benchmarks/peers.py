@@ -47,7 +47,7 @@ class SuffixPeer:
         self.req_ids = req_ids
         self.prompt_lens = {r: n for r, n in self.prompt_lens.items() if r in set(req_ids)}
 
-    def observe_finished(self, req_ids: set[str]) -> None:
+    def observe_finished(self, req_ids: set[str], tokens: Any = None) -> None:
         pass  # vLLM's proposer stops the requests absent from a batch itself
 
     def propose(self, sampled: list[list[int]], num_tokens: np.ndarray,
@@ -96,7 +96,7 @@ class NgramPeer:
     def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None) -> None:
         pass
 
-    def observe_finished(self, req_ids: set[str]) -> None:
+    def observe_finished(self, req_ids: set[str], tokens: Any = None) -> None:
         pass
 
     def propose(self, sampled: list[list[int]], num_tokens: np.ndarray,

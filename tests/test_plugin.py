@@ -180,6 +180,28 @@ def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
     assert sample(runner, None, None) == "sampled"
 
 
+def test_finished_requests_are_told_with_their_tokens_in_the_batch():
+    """Before vLLM removes them: each finished request's row, every token sampled (those of
+    steps vLLM called no propose for included); one not in the batch (preempted) has none."""
+    from unittest import mock
+
+    import numpy as np
+
+    from vllm_retrieval_spec.contract import Drafter
+    from vllm_retrieval_spec.patches.drafter import telling_finished_requests
+
+    seen = []
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.observe_finished.side_effect = lambda req_ids, tokens: seen.append(
+        (req_ids, {r: t.tolist() for r, t in tokens.items()}))
+    runner = SimpleNamespace(drafter=drafter, input_batch=SimpleNamespace(
+        req_id_to_index={"b": 0, "a": 1}, num_tokens_no_spec=np.array([2, 3]),
+        token_ids_cpu=np.array([[7, 8, 0, 0], [1, 2, 3, 0]])))
+    update = telling_finished_requests(lambda runner, output: "updated")
+    assert update(runner, SimpleNamespace(finished_req_ids={"a", "gone"})) == "updated"
+    assert seen == [({"a", "gone"}, {"a": [1, 2, 3]})]
+
+
 def test_workers_start_after_numba_is_loaded_in_the_same_process(undo_register):
     # An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) made after one that drafted: its
     # worker rebinds vLLM-CPU's kernel overrides while llvmlite (numba) is loaded.

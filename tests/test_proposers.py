@@ -294,6 +294,36 @@ def test_hybrid_stores_a_preempted_request_once_whole_when_vllm_finishes_it(serv
         proposer.close()
 
 
+def test_hybrid_stores_the_tokens_of_steps_vllm_drafted_nothing_for():
+    """vLLM calls no ``propose`` for the whole batch while a request is within k tokens of
+    max_model_len (``_input_fits_in_drafter``); its runner still writes the steps' tokens to its
+    batch. A request that finished then is stored with them: its tokens in vLLM's batch, handed
+    to ``observe_finished``."""
+    from vllm_retrieval_spec.proposers.base import RetrievalProposer
+
+    proposer = RetrievalProposer(vllm_config({"method": "hybrid", "num_speculative_tokens": 4,
+                                              "precompute_drafts": False}, max_model_len=12))
+    try:
+        # "a": prompt 1 2 3, it samples 10, then 11 (7 tokens: a 4-token draft still fits).
+        sequence = [1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+        tokens, _ = batch(sequence[:4], width=12)
+        proposer.observe_batch(["a"])
+        proposer.propose([[10]], np.array([4]), tokens)
+        tokens[0, 4] = 11
+        proposer.observe_batch(["a"])
+        proposer.propose([[11]], np.array([5]), tokens)
+        proposer.after_handover()
+        # Past 12 - 4 tokens vLLM samples (one token a step) without calling propose.
+        for n in range(6, 13):
+            proposer.observe_batch(["a"])
+            tokens[0, n - 1] = sequence[n - 1]
+        proposer.observe_finished({"a"}, {"a": tokens[0, :12]})
+        stored = [d.tolist() for d in proposer.method.learning.shared.documents()]
+        assert stored == [sequence]
+    finally:
+        proposer.close()
+
+
 def test_hybrid_per_request_stores_learn_only_within_a_key():
     """``served_store: "per_request"``: "a" (key "x") generates 10..19; after it left, a request
     with key "x" is drafted its continuation, one with key "y" or with no key is not; a request

@@ -45,7 +45,7 @@ class TreeOracleProposer(Drafter):
         self.req_ids = req_ids
         self.tree_rows = tree_rows
 
-    def observe_finished(self, req_ids: set[str]) -> None:
+    def observe_finished(self, req_ids: set[str], tokens: Any = None) -> None:
         pass
 
     def continuation(self, context: np.ndarray) -> np.ndarray:

@@ -82,11 +82,15 @@ class Drafter(abc.ABC):
         tree, and (``served_store_keys``) each row's served-store key."""
 
     @abc.abstractmethod
-    def observe_finished(self, req_ids: set[str]) -> None:
+    def observe_finished(self, req_ids: set[str],
+                         tokens: dict[str, np.ndarray] | None = None) -> None:
         """At the start of every step, an empty one included: the requests vLLM finished since
         the last one. After the last request of a burst, vLLM runs one empty step to say so,
         so this is where what a finished request leaves (a served store's journal record) is
-        written without waiting for more traffic."""
+        written without waiting for more traffic. ``tokens``: those still in vLLM's batch,
+        their tokens there (views of its buffer, read at once): they include the steps vLLM
+        called no ``propose`` for (none is called while a request of the batch is within
+        ``num_speculative_tokens`` of max_model_len)."""
 
     @abc.abstractmethod
     def draft_before_sampling(self, sampled: list[list[int] | None], verified: list[list[int]],
@@ -172,7 +176,7 @@ class MethodDrafter:
     def begin_step(self, req_ids: list[str], served_keys: list[str | None] | None) -> None:
         """Before sampling, every step: the batch's requests (and their served-store keys)."""
 
-    def finished(self, req_ids: set[str]) -> None:
+    def finished(self, req_ids: set[str], tokens: dict[str, np.ndarray] | None = None) -> None:
         """As ``Drafter.observe_finished``, after ``settle``."""
 
     def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],

@@ -3,7 +3,7 @@ sees them, handed to the store when vLLM finishes the request (``datastore.serve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -87,12 +87,16 @@ class ServedRequests:
         requests never finish)."""
         self.finish(list(self.running))
 
-    def finish(self, req_ids: Iterable[str]) -> None:
+    def finish(self, req_ids: Iterable[str],
+               final: Mapping[str, np.ndarray] | None = None) -> None:
         """Hand these requests to the store (those tracked: a request seen by no step has
-        nothing to store)."""
+        nothing to store). ``final``: a request's every token, where known (vLLM's batch row):
+        it also holds the tokens of steps not ``observe``d."""
         for req_id in [r for r in req_ids if r in self.running]:
             prompt_len, buffer, length = self.running.pop(req_id)
             start = 0 if self.include_prompts else prompt_len
+            if final is not None and req_id in final:
+                buffer, length = final[req_id], len(final[req_id])
             tokens = buffer[start:length]
             steps = self.states.pop(req_id, None)
             key = self.keys.pop(req_id, None)

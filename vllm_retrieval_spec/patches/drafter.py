@@ -202,7 +202,13 @@ def telling_finished_requests(update_states: Callable) -> Callable:
         drafter = drafter_of(self)
         if drafter is not None and scheduler_output.finished_req_ids:
             try:
-                drafter.observe_finished(scheduler_output.finished_req_ids)
+                # Their rows are still in the batch (update_states removes them): every token
+                # sampled, those of steps with no propose included.
+                batch = self.input_batch
+                rows = {r: batch.req_id_to_index.get(r) for r in scheduler_output.finished_req_ids}
+                drafter.observe_finished(scheduler_output.finished_req_ids, {
+                    r: batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
+                    for r, i in rows.items() if i is not None})
             except Exception:
                 drafter.report_failure("exception", "could not take finished requests",
                                        exc_info=True)

@@ -129,10 +129,11 @@ class RetrievalProposer(Drafter):
         self.lengths.forget_except(req_ids)
         self.method.begin_step(req_ids, served_keys)
 
-    def observe_finished(self, req_ids: set[str]) -> None:
+    def observe_finished(self, req_ids: set[str],
+                         tokens: dict[str, np.ndarray] | None = None) -> None:
         # The last step's bookkeeping first: it may hold a finished request's last tokens.
         self.settle()
-        self.method.finished(req_ids)
+        self.method.finished(req_ids, tokens)
 
     def search_ahead(self, states: Any) -> None:
         self.forward_states = states

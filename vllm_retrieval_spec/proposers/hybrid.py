@@ -145,11 +145,11 @@ class ServedLearning:
                 [self.directory.key_of(key) for key in keys]
             self.row_stores = [self.keyed.get(key) for key in self.row_keys]
 
-    def finish(self, req_ids: set[str]) -> None:
+    def finish(self, req_ids: set[str], tokens: dict[str, np.ndarray] | None = None) -> None:
         """Store (and journal) the requests vLLM says are finished, now: after a burst's last
         request no step may come for a long time, and a crash must not lose it meanwhile.
         The last step's handover is settled first (``Drafter.observe_finished``)."""
-        self.requests.finish(req_ids)
+        self.requests.finish(req_ids, tokens)
 
     def settle(self) -> None:
         self.tokens_gauge.set((self.keyed or self.shared).num_tokens)
@@ -272,9 +272,9 @@ class HybridDrafter(MethodDrafter):
         if self.learning is not None:
             self.learning.begin_step(req_ids, served_keys)
 
-    def finished(self, req_ids: set[str]) -> None:
+    def finished(self, req_ids: set[str], tokens: dict[str, np.ndarray] | None = None) -> None:
         if self.learning is not None:
-            self.learning.finish(req_ids)
+            self.learning.finish(req_ids, tokens)
 
     def record_last_hidden_states(self, states: Any, rows: list[int]) -> None:
         self.queries.record(states, rows)
