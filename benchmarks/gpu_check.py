@@ -15,7 +15,8 @@ here imports vLLM, and the product is reached only through ``vllm_retrieval_spec
 - ``step_cost``: what a verify forward of 1 + n tokens costs against a cached context, for an
   8B- and a 135M-shaped Llama with random weights. ``chain``: the backend's causal attention;
   ``tree``: the same, then our paged kernel recomputing the tree rows after the leading chain,
-  as the CUDA wrapper does. Timed as CUDA graphs (what vLLM replays) and eagerly.
+  as the CUDA wrapper does. Timed as CUDA graphs as vLLM replays them (chains whole, trees
+  piecewise with attention eager, the mode trees put vLLM in) and eagerly.
 
 Results go to one JSON file (``--out``, default ``$OUT/gpu-check.json``), rewritten after every
 section and every step-cost group so a run cut short keeps what it measured, with a markdown
@@ -39,7 +40,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +481,8 @@ class Step:
     trees: Any = None
     #: Set for one eager forward: layer 0 appends its tree rows' error against the reference.
     check: list[float] | None = None
+    #: Set while the forward is captured piecewise: each attention layer ends a piece there.
+    pieces: Pieces | None = None
 
     @classmethod
     def make(cls, caches: Caches, rows: slice, start: int, tokens: int,
@@ -509,8 +512,18 @@ def paged_verify_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                            verify_step: Step, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: ``query`` ``[B, heads, tokens, head_dim]``, ``key`` and
     ``value`` ``[B, kv_heads, tokens, head_dim]`` (rotary applied); returns ``[B, tokens, heads,
-    head_dim]``. The model's forward is given ``verify_step``, which reaches every layer."""
-    step = verify_step
+    head_dim]``. The model's forward is given ``verify_step``, which reaches every layer.
+    While the forward is captured piecewise, attention runs between the pieces."""
+    if verify_step.pieces is not None:
+        return verify_step.pieces.between(
+            lambda: attend(module, query, key, value, scaling, verify_step)), None
+    return attend(module, query, key, value, scaling, verify_step), None
+
+
+def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+           value: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+    """One layer's attention of a verify step (:class:`Step`), ``[B, tokens, heads,
+    head_dim]``."""
     caches, layer = step.caches, module.layer_idx
     end = step.start + step.tokens
     keys, values = caches.keys[layer], caches.values[layer]
@@ -531,7 +544,7 @@ def paged_verify_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                              output=out.flatten(0, 1))
         if step.check is not None and layer == 0:
             step.check.append(tree_rows_error(step, query, out, scaling))
-    return out, None
+    return out
 
 
 def tree_rows_error(step: Step, query: torch.Tensor, out: torch.Tensor, scale: float) -> float:
@@ -585,7 +598,7 @@ class Forward:
                           use_cache=False, verify_step=self.step).logits
 
 
-def capture(forward: Forward, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_whole(forward: Forward, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """The forward captured as a CUDA graph (after a warm-up on a side stream, as torch asks),
     and its output tensor, which every replay rewrites."""
     side = torch.cuda.Stream()
@@ -599,16 +612,89 @@ def capture(forward: Forward, pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Te
     return graph, logits
 
 
+class Pieces:
+    """A forward captured as vLLM's PIECEWISE mode runs it, the mode it runs every step in
+    while trees are on (``patches.engine_args``): the parts between attention layers are CUDA
+    graphs sharing one pool, and each layer's attention (SDPA, then our kernel on the tree rows)
+    runs eagerly between their replays, writing into the buffer the next piece reads. The
+    attention's host work is this script's, not vLLM's backend's."""
+
+    def __init__(self, new_graph: Callable[[], Any], pool: Any) -> None:
+        self.new_graph = new_graph
+        self.pool = pool
+        self.graphs: list[Any] = []
+        #: Each layer's attention, on the inputs the piece before it computes, and its output.
+        self.attention: list[tuple[Callable[[], torch.Tensor], torch.Tensor]] = []
+
+    def capture(self, forward: Forward) -> torch.Tensor:
+        """Captures the forward on the current stream (not the default one); its logits."""
+        forward.step.pieces = self
+        try:
+            self._begin()
+            logits = forward()
+            self.graphs[-1].capture_end()
+            return logits
+        except BaseException:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                try:
+                    self.graphs[-1].capture_end()
+                except Exception:
+                    pass
+            raise
+        finally:
+            forward.step.pieces = None
+
+    def _begin(self) -> None:
+        graph = self.new_graph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def between(self, attention: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """An attention layer reached while capturing: ends the piece before it, runs it once
+        (on inputs not computed yet: only its output buffer is needed) and starts the next."""
+        self.graphs[-1].capture_end()
+        out = attention()
+        self.attention.append((attention, out))
+        self._begin()
+        return out
+
+    def replay(self) -> None:
+        for graph, (attention, out) in zip(self.graphs, self.attention):
+            graph.replay()
+            out.copy_(attention())
+        self.graphs[-1].replay()
+
+
+def capture_pieces(forward: Forward, pool: Any,
+                   new_graph: Callable[[], Any] | None = None) -> tuple[Pieces, torch.Tensor]:
+    """The forward captured piecewise (:class:`Pieces`) and its logits, which every replay
+    rewrites. ``new_graph``: a stand-in for ``torch.cuda.CUDAGraph`` off CUDA (the tests)."""
+    if new_graph is not None:
+        pieces = Pieces(new_graph, pool)
+        forward()
+        return pieces, pieces.capture(forward)
+    pieces = Pieces(torch.cuda.CUDAGraph, pool)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+        logits = pieces.capture(forward)
+    torch.cuda.current_stream().wait_stream(side)
+    return pieces, logits
+
+
 @dataclass
 class StepCostRun:
     """The step-cost loop's state: the section's result, the deadline, the CUDA graph pool and
-    the shapes whose forwards are still captured as graphs."""
+    the shapes whose forwards are still captured as graphs (``piecewise_shapes``: as vLLM's
+    piecewise graphs, attention eager)."""
 
     plan: Plan
     result: dict[str, Any]
     deadline: float
     graph_shapes: set[str]
     pool: Any = None
+    piecewise_shapes: set[str] = field(default_factory=set)
 
     def block(self, model: str, shape: str, batch: int) -> dict[str, Any]:
         """The rows of one curve, as ``replay --verify-cost`` reads them (``--extract``)."""
@@ -636,11 +722,26 @@ class StepCostRun:
         eager = times_ms(forward, plan.repeats, plan.cuda)
         row.update(eager_ms_median=median(eager))
         timed, timing = eager, "eager"
+        if shape in self.piecewise_shapes:
+            try:
+                timed, row["graph_vs_eager_max_abs"] = time_graph(
+                    forward, eager_logits, self.pool, plan.repeats, capture_pieces,
+                    lambda pieces: pieces.replay)
+                timing = "cuda-graph-piecewise"
+            except Exception:
+                # Then the full graph's time, as for a chain (and for the later ones).
+                self.piecewise_shapes.discard(shape)
+                key = f"{shape} piecewise"
+                self.result["graph_errors"][key] = traceback.format_exc()[-2000:]
+                log(self.result["graph_errors"][key])
         if shape in self.graph_shapes:
             try:
-                timed, row["graph_vs_eager_max_abs"] = time_graph(forward, eager_logits,
-                                                                  self.pool, plan.repeats)
-                timing = "cuda-graph"
+                full, error = time_graph(forward, eager_logits, self.pool, plan.repeats)
+                if timing == "eager":
+                    timed, timing = full, "cuda-graph"
+                    row["graph_vs_eager_max_abs"] = error
+                else:
+                    row["full_graph_ms_median"] = median(full)
             except Exception:
                 # A forward that cannot be captured is timed eagerly, and so are the later
                 # ones of its shape (eager_ms_median compares chains with trees then).
@@ -681,22 +782,28 @@ def tree_rows(forward: Forward, plan: Plan) -> dict[str, Any]:
     return fields
 
 
-def time_graph(forward: Forward, eager_logits: torch.Tensor, pool: Any,
-               repeats: int) -> tuple[list[float], float]:
-    """Replay times of the forward captured as a CUDA graph, and how far its logits are from
-    the eager forward's (the same kernels on the same inputs: about 0)."""
-    graph, logits = capture(forward, pool)
-    graph.replay()
+def time_graph(forward: Forward, eager_logits: torch.Tensor, pool: Any, repeats: int,
+               capture: Callable[[Forward, Any], tuple[Any, torch.Tensor]] | None = None,
+               replayer: Callable[[Any], Callable[[], None]] = lambda graph: graph.replay,
+               ) -> tuple[list[float], float]:
+    """Replay times of the forward captured as a CUDA graph (by ``capture``, by default whole),
+    and how far its logits are from the eager forward's (the same kernels on the same inputs:
+    about 0)."""
+    graph, logits = (capture or capture_whole)(forward, pool)
+    replay = replayer(graph)
+    replay()
     err = float((logits.float() - eager_logits.float()).abs().max())
-    return times_ms(graph.replay, repeats, True), err
+    return times_ms(replay, repeats, True), err
 
 
 def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
                       save: Callable[[], None]) -> None:
     result.update(
-        timing=("ms_per_step: CUDA-graph replays where the forward could be captured (vLLM "
-                "replays graphs: FULL for chains, PIECEWISE, attention eager, for trees), else "
-                "eager; eager_ms_median beside it. Medians of "
+        timing=("ms_per_step: CUDA-graph replays as vLLM replays them: chains as one full "
+                "graph (timing cuda-graph), trees piecewise (cuda-graph-piecewise: graphs "
+                "between the attention layers, attention eager, the mode vLLM runs in while "
+                "trees are on; full_graph_ms_median beside it), else whole, else eager; "
+                "eager_ms_median beside them. Medians of "
                 f"{plan.repeats} repeats after {plan.warmup} warm-up forwards.")
         if plan.cuda else "wall clock on CPU under the Triton interpreter: meaningless",
         method=("Random-weight LlamaForCausalLM, all layers timed. The context is prefilled "
@@ -713,7 +820,8 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
         block_size=BLOCK_SIZE, blocks=[], truncated=False, errors=[], graph_errors={},
         sdpa_flash={m.name: sdpa_flash(m, plan) for m in plan.models})
     run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
-                      torch.cuda.graph_pool_handle() if plan.cuda else None)
+                      torch.cuda.graph_pool_handle() if plan.cuda else None,
+                      {"tree"} if plan.cuda else set())
     with torch.inference_mode():
         for shape in plan.models:
             try:
