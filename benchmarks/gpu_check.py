@@ -685,9 +685,9 @@ def capture_pieces(forward: Forward, pool: Any,
 
 @dataclass
 class StepCostRun:
-    """The step-cost loop's state: the section's result, the deadline, the CUDA graph pool and
-    the shapes whose forwards are still captured as graphs (``piecewise_shapes``: as vLLM's
-    piecewise graphs, attention eager)."""
+    """One model's step-cost loop's state: the section's result, the deadline, the CUDA graph
+    pool and the shapes whose forwards are still captured as graphs (``piecewise_shapes``: as
+    vLLM's piecewise graphs, attention eager)."""
 
     plan: Plan
     result: dict[str, Any]
@@ -695,6 +695,7 @@ class StepCostRun:
     graph_shapes: set[str]
     pool: Any = None
     piecewise_shapes: set[str] = field(default_factory=set)
+    model_name: str = ""
 
     def block(self, model: str, shape: str, batch: int) -> dict[str, Any]:
         """The rows of one curve, as ``replay --verify-cost`` reads them (``--extract``)."""
@@ -731,7 +732,7 @@ class StepCostRun:
             except Exception:
                 # Then the full graph's time, as for a chain (and for the later ones).
                 self.piecewise_shapes.discard(shape)
-                key = f"{shape} piecewise"
+                key = f"{self.model_name} {shape} piecewise"
                 self.result["graph_errors"][key] = traceback.format_exc()[-2000:]
                 log(self.result["graph_errors"][key])
         if shape in self.graph_shapes:
@@ -746,8 +747,9 @@ class StepCostRun:
                 # A forward that cannot be captured is timed eagerly, and so are the later
                 # ones of its shape (eager_ms_median compares chains with trees then).
                 self.graph_shapes.discard(shape)
-                self.result["graph_errors"][shape] = traceback.format_exc()[-2000:]
-                log(self.result["graph_errors"][shape])
+                key = f"{self.model_name} {shape}"
+                self.result["graph_errors"][key] = traceback.format_exc()[-2000:]
+                log(self.result["graph_errors"][key])
         row.update(ms_per_step_median=median(timed), ms_per_step=[round(t, 4) for t in timed],
                    timing=timing)
         return row
@@ -819,11 +821,13 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
         models={m.name: asdict(m) for m in plan.models}, dtype=str(plan.dtype),
         block_size=BLOCK_SIZE, blocks=[], truncated=False, errors=[], graph_errors={},
         sdpa_flash={m.name: sdpa_flash(m, plan) for m in plan.models})
-    run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
-                      torch.cuda.graph_pool_handle() if plan.cuda else None,
-                      {"tree"} if plan.cuda else set())
+    pool = torch.cuda.graph_pool_handle() if plan.cuda else None
     with torch.inference_mode():
         for shape in plan.models:
+            # Each model starts with graphs: one that failed to capture for another does not
+            # make this one's curves eager.
+            run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
+                              pool, {"tree"} if plan.cuda else set(), shape.name)
             try:
                 finished = measure_model(run, shape, save)
             except Exception:

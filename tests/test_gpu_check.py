@@ -254,3 +254,38 @@ with torch.inference_mode():
     torch.testing.assert_close(forward(), eager)
 print("piecewise ok")
 """
+
+
+def test_each_model_starts_with_graphs_of_its_own(monkeypatch):
+    """A capture that fails stops graphs for the later forwards of its shape: of its model
+    only, so that one model's failure does not leave the other's curves eager."""
+    pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from benchmarks.gpu_check import TINY
+
+    states = []
+
+    def measure(self, model, caches, shape, batch, context, n):
+        states.append((self.model_name, shape, set(self.graph_shapes)))
+        # As a failed capture does.
+        self.graph_shapes.discard(shape)
+        return {"context_tokens": context, "draft_len": n, "ms_per_step_median": 1.0,
+                "ms_per_step": [1.0], "eager_ms_median": 1.0, "timing": "eager"}
+
+    monkeypatch.setattr(StepCostRun, "measure", measure)
+    init = StepCostRun.__init__
+
+    def with_graphs(self, *args, **kwargs):
+        # As on a GPU: every shape is captured until a capture fails.
+        init(self, *args, **kwargs)
+        self.graph_shapes.update({"chain", "tree"})
+
+    monkeypatch.setattr(StepCostRun, "__init__", with_graphs)
+    plan = replace(TINY_PLAN, models=(TINY, replace(TINY, name="tiny-2")), contexts=(32,),
+                   batches=(1,), draft_lens=(0, 1))
+    step_cost_section(plan, time.monotonic() + 600, {}, lambda: None)
+    # Per model: chain at n = 0 and 1, then tree at n = 0 and 1.
+    seen = [{"chain", "tree"}, {"tree"}, {"tree"}, set()]
+    assert states == [(name, shape, graphs) for name in ("tiny", "tiny-2")
+                      for shape, graphs in zip(("chain", "chain", "tree", "tree"), seen)]
