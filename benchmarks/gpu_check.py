@@ -983,13 +983,21 @@ def extract(results: Path, model: str, shape: str, batch: int, context: int | No
             for row in blocks[0]["rows"] if context in (None, row["context_tokens"])]
     if not rows:
         raise SystemExit(f"{results}: no rows at context {context}")
+    timings = {(row["context_tokens"], row["draft_len"]): row["timing"]
+               for row in blocks[0]["rows"] if context in (None, row["context_tokens"])}
+    if len(set(timings.values())) > 1:
+        # A capture failed part way (the later forwards of its shape were timed otherwise):
+        # graph replays and eager forwards are not one curve.
+        raise SystemExit(f"{results}: the {shape} curve of {model} at batch {batch} mixes "
+                         f"timings {sorted(set(timings.values()))} ((context, draft length): "
+                         f"timing {timings}); --context picks a context timed one way")
     name = f"{results.stem}-{model.lower()}-{shape}-b{batch}" + (f"-c{context}" if context
                                                                  else "")
     out = out or results.with_name(f"{name}.json")
     out.write_text(json.dumps({
         "run": name, "date": result["date"], "machine": result["device"]["device"],
         "model": f"{model} (random weights, {result['sections']['step_cost']['dtype']})",
-        "shape": shape, "batch": batch, "timing": sorted({r["timing"] for r in blocks[0]["rows"]}),
+        "shape": shape, "batch": batch, "timing": sorted(set(timings.values())),
         "source": str(results), "command": result["command"], "rows": rows}, indent=1) + "\n")
     return out
 

@@ -289,3 +289,26 @@ def test_each_model_starts_with_graphs_of_its_own(monkeypatch):
     seen = [{"chain", "tree"}, {"tree"}, {"tree"}, set()]
     assert states == [(name, shape, graphs) for name in ("tiny", "tiny-2")
                       for shape, graphs in zip(("chain", "chain", "tree", "tree"), seen)]
+
+
+def test_a_curve_that_mixes_timings_is_not_extracted(tmp_path):
+    """After a capture failed part way through a curve, its later rows were timed eagerly:
+    replay must not take them for one curve; a context timed one way still extracts."""
+
+    def row(context, n, ms, timing):
+        return {"context_tokens": context, "draft_len": n, "ms_per_step_median": ms,
+                "ms_per_step": [ms], "eager_ms_median": 20.0, "timing": timing}
+
+    rows = [row(512, 0, 6.0, "cuda-graph"), row(512, 1, 6.1, "cuda-graph"),
+            row(2048, 0, 6.5, "cuda-graph"), row(2048, 1, 20.0, "eager")]
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({
+        "date": "d", "command": "c", "device": {"device": "gpu"},
+        "sections": {"step_cost": {"dtype": "torch.bfloat16", "blocks": [
+            {"model": "m", "shape": "chain", "batch": 1, "rows": rows}]}}}))
+    with pytest.raises(SystemExit, match="mixes timings"):
+        main(["--extract", "m", "chain", "1", "--results", str(results)])
+    assert main(["--extract", "m", "chain", "1", "--results", str(results), "--context",
+                 "512"]) == 0
+    extracted = json.loads((tmp_path / "r-m-chain-b1-c512.json").read_text())
+    assert extracted["timing"] == ["cuda-graph"] and len(extracted["rows"]) == 2
