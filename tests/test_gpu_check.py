@@ -113,9 +113,10 @@ def test_tiny_run_checks_the_kernels_against_their_references(tiny_run):
     assert kernels.count("tree_mask") == 4 and kernels.count("tree_attention") == 3
     assert kernels.count("projection") == 2
     paged = sections["paged_kernel"]["checks"]
-    assert len(paged) == 4 and all(c["untouched_equal"] for c in paged)
+    assert len(paged) == 5 and all(c["untouched_equal"] for c in paged)
     # Every tree computes its rows after its leading chain, or all of them in the first case.
     assert paged[0]["first"] == [0] and paged[1]["first"] == [32, 16, 1, 1]
+    assert paged[4]["contexts"] == [17, 40] and paged[4]["rows_computed"] == 32 + 32
     for section in ("kernels", "paged_kernel"):
         assert sections[section]["ok"] is True
         for c in sections[section]["checks"]:
@@ -312,3 +313,31 @@ def test_a_curve_that_mixes_timings_is_not_extracted(tmp_path):
                  "512"]) == 0
     extracted = json.loads((tmp_path / "r-m-chain-b1-c512.json").read_text())
     assert extracted["timing"] == ["cuda-graph"] and len(extracted["rows"]) == 2
+
+
+def test_the_short_context_paged_case_fails_a_kernel_blind_to_the_tree(monkeypatch):
+    """Over thousands of context tokens a kernel that attended only each node itself, not its
+    ancestors, stays within bfloat16's tolerance; over a few dozen it does not."""
+    import dataclasses
+
+    import torch
+
+    from benchmarks import gpu_check
+    from vllm_retrieval_spec.kernels.paged_tree_attention import (
+        paged_tree_attention_reference,
+    )
+
+    def self_only(query, key, value, key_cache, value_cache, block_table, trees, scale,
+                  output=None, splits=None):
+        eye = torch.eye(trees.max_nodes, dtype=torch.int8).expand(len(trees), -1, -1)
+        return paged_tree_attention_reference(query, key, value, key_cache, value_cache,
+                                              block_table, dataclasses.replace(trees, mask=eye),
+                                              scale, output=output)
+
+    monkeypatch.setattr(gpu_check, "paged_tree_attention", self_only)
+    plan = dataclasses.replace(TINY_PLAN, dtype=torch.bfloat16, attention_shape=(32, 8, 128))
+    result = {}
+    gpu_check.paged_section(plan, result, lambda: None)
+    short = result["checks"][-1]
+    assert short["case"] == "two trees, short contexts"
+    assert not short["ok"] and short["max_abs_err"] > 5 * short["tolerance"]
