@@ -8,7 +8,8 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 
 ``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
-used. The chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
+used. Every step of a tree row costs the tree curve, chain-shaped ones too: vLLM runs a tree
+config in PIECEWISE CUDA-graph mode throughout, the mode the tree curve is measured in. The chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
 (``calibrated_options``, over the lengths chains verify): those are the accelerator defaults the
 curve implies, and our methods are replayed with its ``draft_token_cost`` and ``min_draft_len``
 (replay has no time budget), so their drafting rules see the measured cost. Every row is
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
             f"outputs, step times from `{args.chain_cost}` and `{args.tree_cost}`; our methods "
             f"at the accelerator's defaults with draft_token_cost "
             f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}. "
-            f"Step times leave drafting out: with `precompute_drafts` (the accelerator's "
+            f"A tree row's every step costs the tree curve (vLLM runs a tree config "
+            f"PIECEWISE throughout). Step times leave drafting out: with `precompute_drafts` (the accelerator's "
             f"default) a step's draft is made while its forward runs; the drafting column is "
             f"replay's own time per step on this machine, for scale.",
             "", f"What the chain curve implies (`vllm-rsd calibrate`'s rules, draft lengths up "

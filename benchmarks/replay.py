@@ -24,9 +24,10 @@ requests, through the journals), vLLM's ``suffix`` learns from its own replica's
 Where replay is not the engine:
 - Time is simulated: a step takes the time of the draft length it verified, measured
   (``--verify-cost``) or 1 + ``draft_token_cost`` x d steps without a draft. ``pad_drafts``
-  learns from that clock as from the engine's, padding drafts to measure lengths first. A tree
-  costs its own measured curve (``--tree-verify-cost``), else what a chain of as many tokens
-  does; with ``--batch`` each row costs what it would alone.
+  learns from that clock as from the engine's, padding drafts to measure lengths first. With
+  ``--tree-verify-cost`` every step of a tree config costs that curve (vLLM runs them all in
+  the tree's CUDA-graph mode), else a tree costs what a chain of as many tokens does; with
+  ``--batch`` each row costs what it would alone.
 - Hidden states (``--model``) come from one transformers forward over the recorded sequence:
   the true prefix's states, also at rejected draft tokens (vLLM's would be a wrong token's
   there). Only accepted rows are kept (PLD+) or become queries (``last_state_rows``), so the
@@ -65,7 +66,7 @@ from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.hidden_states import accepted_state_segments
 from vllm_retrieval_spec.proposers.hybrid import HybridDrafter
-from vllm_retrieval_spec.verification.core import greedy_tree_walk, is_chain, tree_depths
+from vllm_retrieval_spec.verification.core import greedy_tree_walk, tree_depths
 
 #: The engine's context length unless a record needs more (SmolLM2's).
 MAX_MODEL_LEN = 8192
@@ -111,8 +112,10 @@ def measured_step_costs(path: str, k: int) -> list[float]:
 @dataclass(frozen=True)
 class StepCosts:
     """A step verifying d draft tokens costs ``curve[d] / curve[0]`` steps without a draft
-    where measured, else 1 + ``draft_token_cost`` x d; a tree of d nodes ``tree_curve[d] /
-    curve[0]`` where that was measured (its attention differs), else what a chain does."""
+    where measured, else 1 + ``draft_token_cost`` x d. Given ``tree_curve`` (a config drafting
+    trees), every step costs ``tree_curve[d] / curve[0]``, chain-shaped and draftless ones too:
+    while trees are on, vLLM runs every step in the CUDA-graph mode the tree curve was measured
+    in (PIECEWISE, attention eager); a chain is charged the tree kernel too, an overestimate."""
 
     draft_token_cost: float
     curve: list[float] | None = None
@@ -122,10 +125,10 @@ class StepCosts:
         if self.tree_curve is not None and self.curve is None:
             raise ValueError("a tree step-cost curve needs the chain's (--verify-cost) too")
 
-    def units(self, draft_len: int, tree: bool = False) -> float:
+    def units(self, draft_len: int) -> float:
         if self.curve is None:
             return 1.0 + self.draft_token_cost * draft_len
-        curve = self.tree_curve if tree and self.tree_curve is not None else self.curve
+        curve = self.tree_curve if self.tree_curve is not None else self.curve
         return curve[min(draft_len, len(curve) - 1)] / self.curve[0]
 
 
@@ -325,8 +328,7 @@ class Replay:
         base = np.zeros(self.batch, dtype=np.int32)
         for i, r in enumerate(batch):
             drafted = len(r.draft) if r.done else 0
-            tree = drafted > 0 and r.tree is not None and not is_chain(r.tree.parents[:drafted])
-            units = self.costs.units(drafted, tree)
+            units = self.costs.units(drafted)
             self.forwards += 1
             self.decode_steps += r.done > 0
             self.drafted += drafted
