@@ -156,12 +156,16 @@ def test_dense_index_of_another_dtype(model_dir, dense_copy, method):
         start_dense(model_dir, dense_copy, method)
 
 
-@pytest.mark.parametrize("dims", ["0", "577"])
-def test_pca_dims_out_of_range_fail_before_any_forward(model_dir, dense_copy, dims):
+@pytest.mark.parametrize("dims, status, message", [
+    # Below 1 the parser refuses it; above the hidden size the build, before any forward.
+    ("0", 2, "argument --pca-dims: must be 1 or more, got 0"),
+    ("577", 1, "error: PCA dims 577 is out of range: must be in [1, 576] (the hidden size)"),
+])
+def test_pca_dims_out_of_range_fail_before_any_forward(model_dir, dense_copy, dims, status,
+                                                        message):
     result = subprocess.run(
         [sys.executable, "-m", "vllm_retrieval_spec.cli", "build-datastore", "--dense",
          "--overwrite", "-o", str(dense_copy), "--model", model_dir, "--pca-dims", dims],
         capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert result.stderr.strip().endswith(
-        f"error: PCA dims {dims} is out of range: must be in [1, 576] (the hidden size)")
+    assert result.returncode == status
+    assert result.stderr.strip().endswith(message)
