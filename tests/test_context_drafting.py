@@ -172,3 +172,30 @@ def test_drafts_are_no_longer_than_the_evidence_allows():
     context = np.arange(10, 16, dtype=np.int32)
     config = hybrid("", max_spec_factor=1.0, num_speculative_tokens=12)
     assert len(hybrid_draft(None, context, 12, config, served=served)) == 6
+
+
+class CountingReads(np.ndarray):
+    """An array that counts the element reads made through it (``py_func`` runs the compiled
+    function's Python source, so its reads can be counted)."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        CountingReads.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_repetitive_context_is_not_scanned_past_what_can_change_the_result():
+    # 5,000 spaces: every position matches the full max_len suffix, so once max_occurrences of
+    # them are kept nothing earlier can change the result; scanning on cost O(len x max_len)
+    # every step (1.45 ms at 131,072 tokens, over the accelerator's 1 ms draft budget).
+    context = np.full(5000, 220, dtype=np.int32).view(CountingReads)
+    CountingReads.reads = 0
+    cands, lengths, n = find_context_matches.py_func(context, 1, 16, 64, 4)
+    # The most recent occurrences end near the context's end: their continuations are short.
+    assert n == 16 and lengths.tolist() == [1, 2, 3] + [4] * 61
+    assert all((c[:length] == 220).all() for c, length in zip(cands, lengths))
+    # 64 occurrences x 16 token pairs compared, and 64 continuations copied.
+    assert CountingReads.reads <= 64 * 2 * 16 + 64
+    compiled = find_context_matches(context.view(np.ndarray), 1, 16, 64, 4)
+    assert compiled[2] == n and (compiled[0] == cands).all()

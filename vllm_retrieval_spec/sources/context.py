@@ -40,6 +40,10 @@ def find_context_matches(
         if count < max_occurrences:
             ends[count] = j
             count += 1
+        if best == max_len and count == max_occurrences:
+            # No earlier occurrence can be longer or still be kept: stop, so that a repetitive
+            # context costs O(max_occurrences x max_len), not O(len x max_len), every step.
+            break
     candidates = np.full((count, continuation_len), -1, dtype=np.int32)
     lengths = np.zeros(count, dtype=np.int32)
     for i in range(count):
