@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -138,6 +139,20 @@ def test_a_draft_over_its_time_budget_is_dropped(datastore, caplog):
     assert proposer.stats() == {"failed_over_budget": 2}
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "over its 10.0 ms budget" in errors[0]
+
+
+
+def test_tensor_parallel_ranks_drop_no_draft_by_their_own_clock(datastore):
+    # Every rank drafts, and each verifies the tree its own drafter made: a time budget would
+    # drop a draft on a rank that happened to be slow and not on the others, and that rank
+    # would verify the tokens as a chain while the others attend to them as a tree.
+    config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
+                          "draft_budget_ms": 10.0, "min_draft_len": 1})
+    config.parallel_config = SimpleNamespace(world_size=2)
+    proposer = RetrievalProposer(config, Slow())
+    tokens, lengths = batch([1, 9], [1, 2], [1, 9])
+    assert proposer.propose([[9], [2], [9]], lengths, tokens) == [[1], [1], [1]]
+    assert proposer.stats() == {}
 
 
 def test_prometheus_series_count_lookups_and_forwards(datastore):

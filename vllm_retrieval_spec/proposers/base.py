@@ -62,6 +62,13 @@ class RetrievalProposer(Drafter):
         """vLLM passes ``vllm_config`` alone; the method's drafter is then made from the
         config (``make_drafter`` of the method's module). Tests and lab tools may pass one."""
         self.config: MethodConfig = config_from_dict(vllm_config.additional_config[PLUGIN_KEY])
+        parallel = getattr(vllm_config, "parallel_config", None)
+        if getattr(parallel, "world_size", 1) > 1:
+            # Every rank drafts, and each verifies the tree its own drafter made: a time budget
+            # (the guard's, DReSD's search wait) would drop a draft on a rank slow by chance
+            # only, which would then verify as a chain what the others verify as a tree.
+            self.config = dataclasses.replace(self.config, drafting=dataclasses.replace(
+                self.config.drafting, draft_budget_ms=0.0))
         drafting = self.config.drafting
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -70,7 +77,6 @@ class RetrievalProposer(Drafter):
         self.method = method or importlib.import_module(self.config.module).make_drafter(
             self.config, vllm_config, self.failures.record)
         # Tensor-parallel ranks would time their steps apart, and all must draft alike.
-        parallel = getattr(vllm_config, "parallel_config", None)
         self.lengths = DraftLengths(drafting, self.k, self.max_model_len,
                                     timed=getattr(parallel, "world_size", 1) == 1)
         trie = getattr(self.config, "trie", None)
