@@ -246,3 +246,33 @@ def test_evict_oldest_drops_one_request_and_reindexes():
     assert continuations(store, [5, 6]) == (2, [[8]])
     assert store.evict_oldest() == 3 and store.evict_oldest() == 0
     assert store.num_tokens == 0 and continuations(store, [5, 6]) == (0, [])
+
+
+def test_dropping_a_key_does_not_wait_for_its_store_to_finish_indexing(monkeypatch):
+    # A key's store dropped (least recently used) while its thread rebuilds: the add that drops
+    # it runs in the engine's step (observe_finished) and holds the stores' lock, which every
+    # step's get() takes, so it must not wait for that rebuild (0.1 s at 1 M tokens).
+    import vllm_retrieval_spec.datastore.served as served
+
+    building, release = threading.Event(), threading.Event()
+    build = served.build_suffix_array
+
+    def blocked_build(tokens):
+        building.set()
+        release.wait(30)
+        return build(tokens)
+
+    monkeypatch.setattr(served, "build_suffix_array", blocked_build)
+    stores = KeyedServedStores(max_tokens=100, max_stores=1)
+    try:
+        stores.add("x", "a", [5, 6, 7])
+        assert building.wait(30)
+        adding = threading.Thread(target=stores.add, args=("y", "b", [5, 6, 8]))
+        adding.start()
+        adding.join(5)
+        # Returned while "x"'s rebuild is still blocked.
+        assert not adding.is_alive() and not release.is_set()
+        assert stores.get("x") is None and stores.num_stores == 1
+    finally:
+        release.set()
+        stores.close()

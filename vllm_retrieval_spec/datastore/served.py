@@ -214,12 +214,14 @@ class ServedStore:
         index = self.index
         return suffix_followers(index.tokens, index.suffix_array, last_token, max_samples)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the background thread; ``wait``: until a rebuild under way ends (without, the
+        thread ends by itself once it has)."""
         with self._lock:
             self._closed = True
             self._wake.notify_all()
         self._stop.set()
-        if self._thread is not None:
+        if wait and self._thread is not None:
             self._thread.join(timeout=10)
 
     def _rebuild_forever(self) -> None:
@@ -314,7 +316,9 @@ class KeyedServedStores:
                                                         background=self.background)
                 if len(self._stores) > self.max_stores:
                     _, dropped = self._stores.popitem(last=False)
-                    dropped.close()
+                    # Not waiting for a rebuild of what nobody reads any more: this runs in
+                    # the engine's step, holding the lock every step's get() takes.
+                    dropped.close(wait=False)
             self._stores.move_to_end(key)
             document = store.add(request_id, tokens, time_ms)
             excess = self.num_tokens - self.max_tokens
@@ -337,7 +341,7 @@ class KeyedServedStores:
                 removed += store.remove_where(lambda time_ms: drop(time_ms, key))
                 if not store.num_documents:
                     del self._stores[key]
-                    store.close()
+                    store.close(wait=False)
         return removed
 
     def wait_indexed(self, timeout: float = 60.0) -> bool:
