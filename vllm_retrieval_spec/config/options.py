@@ -37,7 +37,7 @@ class DraftingOptions:
 
     num_speculative_tokens: int
     #: A request whose drafting takes longer than this (ms) gets no draft that step; the event
-    #: is counted. 0 = no budget.
+    #: is counted. 0 = no budget; none with tensor parallelism, whose ranks must draft alike.
     draft_budget_ms: float
     #: Cap each request's draft length by its recent acceptance (``drafting.adaptive``).
     adaptive_draft_len: bool = True
