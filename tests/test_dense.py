@@ -384,6 +384,10 @@ def test_matching_continuations_filter_by_emitted_token():
     np.testing.assert_allclose(weights, [0.9, 0.7])
     cands, lengths, weights = matching_continuations(tokens, positions, neighbours, scores, 6, 4)
     assert len(cands) == 1 and lengths[0] == 0 and weights[0] == 0  # end of stream; score < 0
+    # A NaN similarity (a NaN hidden state's) votes nothing, as a negative one.
+    scores[0] = np.nan
+    _, _, weights = matching_continuations(tokens, positions, neighbours, scores, 7, 4)
+    np.testing.assert_allclose(weights, [0.0, 0.7])
 
 
 def test_dresd_draft_votes_by_similarity(tmp_path):

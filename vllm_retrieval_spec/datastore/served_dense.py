@@ -210,7 +210,7 @@ class ServedDenseStore:
             continuation = document[position + 2:position + 2 + continuation_len]
             cands[kept, :len(continuation)] = continuation
             lengths[kept] = len(continuation)
-            weights[kept] = max(float(score), 0.0)
+            weights[kept] = score if score > 0.0 else 0.0  # NaN too (matching_continuations)
             kept += 1
         self.hits += kept > 0
         return cands[:kept], lengths[:kept], weights[:kept]

@@ -33,7 +33,7 @@ def matching_continuations(tokens: np.ndarray, positions: np.ndarray, neighbours
 
     ``neighbours`` index ``positions`` (-1 = no hit); a continuation starts two tokens after the
     key's position and stops at SEPARATOR. Returns (cands int32 [m, continuation_len] padded
-    with -1, lengths int32 [m], weights float64 [m]: similarity, floored at 0).
+    with -1, lengths int32 [m], weights float64 [m]: similarity, floored at 0, NaN too).
     """
     m = neighbours.shape[0]
     cands = np.full((m, continuation_len), SEPARATOR, dtype=np.int32)
@@ -48,7 +48,9 @@ def matching_continuations(tokens: np.ndarray, positions: np.ndarray, neighbours
         if pos >= size or tokens[pos] != emitted:
             continue
         lengths[kept] = copy_continuation(tokens, pos + 1, cands[kept])
-        weights[kept] = max(scores[i], 0.0)
+        # Floored at 0, NaN (a NaN hidden state's) too: max() would keep it, and one NaN vote
+        # outweighs every other candidate in the trie.
+        weights[kept] = scores[i] if scores[i] > 0.0 else 0.0
         kept += 1
     return cands[:kept], lengths[:kept], weights[:kept]
 
