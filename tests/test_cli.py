@@ -243,3 +243,13 @@ def test_served_purge_removes_a_keys_requests(tmp_path, capsys):
         cli.main(["served", "purge", str(tmp_path / "nowhere")])
     with pytest.raises(SystemExit, match="--older-than must be 0 or more"):
         cli.main(["served", "purge", str(tmp_path), "--older-than", "-1"])
+
+
+def test_a_prompts_file_read_past_its_end_is_refused_without_prompts_asked_for(tmp_path):
+    # Before: without --prompts (all of the file) the check was skipped, the empty task went to
+    # the engines, and its rows divided by zero seconds once every other task had run.
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    with pytest.raises(SystemExit, match=r"^error: task 'mine' has 0 prompts from offset 2 on$"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--prompts-file",
+                  str(prompts), "--prompt-offset", "2"])

@@ -118,13 +118,16 @@ def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[i
 
 def check_prompt_counts(counts: dict[str, int], asked: int | None, offset: int) -> None:
     """Refuse a task left with no prompts from ``offset`` on; warn of one with fewer than
-    ``asked`` (its rows then average fewer prompts than the others')."""
+    ``asked`` (its rows then average fewer prompts than the others'). ``asked`` None (all of a
+    prompts file) still refuses an empty task: its rows would divide by no time, after every
+    engine had started."""
     for name, count in counts.items():
+        message = f"task {name!r} has {count} prompts from offset {offset} on"
         if asked is not None and count < asked:
-            message = (f"task {name!r} has {count} prompts from offset {offset} on, fewer than "
-                       f"the {asked} asked for")
-            if not count:
-                raise ValueError(message)
+            message += f", fewer than the {asked} asked for"
+        if not count:
+            raise ValueError(message)
+        if asked is not None and count < asked:
             print(f"warning: {message}; its rows use {count}", file=sys.stderr)
 
 
