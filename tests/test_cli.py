@@ -253,3 +253,19 @@ def test_a_prompts_file_read_past_its_end_is_refused_without_prompts_asked_for(t
     with pytest.raises(SystemExit, match=r"^error: task 'mine' has 0 prompts from offset 2 on$"):
         cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--prompts-file",
                   str(prompts), "--prompt-offset", "2"])
+
+
+def test_a_prompt_without_room_for_an_output_token_is_refused_before_any_engine(monkeypatch,
+                                                                                tmp_path):
+    # Before: vLLM refused it (prompt length >= max_model_len) inside generate, once every
+    # engine had started, and the run ended with nothing written.
+    from vllm_retrieval_spec.bench import tasks, throughput
+
+    monkeypatch.setattr(commands, "bench_prompts", lambda model, args: {
+        "mine": [[1] * 10, [1] * (tasks.MAX_MODEL_LEN - 1), [1] * tasks.MAX_MODEL_LEN]})
+    monkeypatch.setattr(throughput, "run_benchmark",
+                        lambda *args, **kwargs: pytest.fail("an engine would have started"))
+    with pytest.raises(SystemExit, match=rf"^error: task 'mine': prompt 2 has "
+                                         rf"{tasks.MAX_MODEL_LEN} tokens; the engines serve "
+                                         rf"{tasks.MAX_MODEL_LEN} tokens, prompt and output$"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--sequential"])

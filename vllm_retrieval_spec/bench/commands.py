@@ -36,6 +36,7 @@ def bench_command(args: argparse.Namespace) -> None:
         if not args.sequential:
             check_memory_for_interleaving(len(runs), model, settings)
         prompts = bench_prompts(model, args)
+        check_prompt_lengths(prompts, settings.max_model_len)
     except ValueError as e:
         # Bad input or too little memory: say so before any engine starts, without a traceback.
         raise SystemExit(f"error: {e}") from None
@@ -129,6 +130,16 @@ def check_prompt_counts(counts: dict[str, int], asked: int | None, offset: int) 
             raise ValueError(message)
         if asked is not None and count < asked:
             print(f"warning: {message}; its rows use {count}", file=sys.stderr)
+
+
+def check_prompt_lengths(prompts: dict[str, list[list[int]]], max_model_len: int) -> None:
+    """Refuse a prompt that leaves no room for an output token in ``max_model_len``: vLLM
+    refuses it when it is generated, after every engine has started, ending the whole run."""
+    for task, task_prompts in prompts.items():
+        for number, prompt in enumerate(task_prompts):
+            if len(prompt) >= max_model_len:
+                raise ValueError(f"task {task!r}: prompt {number} has {len(prompt)} tokens; the "
+                                 f"engines serve {max_model_len} tokens, prompt and output")
 
 
 def calibrate_command(args: argparse.Namespace) -> None:
