@@ -224,3 +224,17 @@ def test_cpu_kv_cache_is_sized_to_the_run(tmp_path):
         == 450 * 2**20
     # No readable config: vLLM-CPU's 1 GiB, as before.
     assert cpu_kv_cache_bytes(str(tmp_path / "missing"), BenchSettings()) == 2**30
+
+
+def test_a_method_asked_for_twice_is_refused():
+    from vllm_retrieval_spec.bench.throughput import method_runs
+
+    # Before: two rows alike in the table and the JSON, and the plot drew only the last one's
+    # bar (one bar per label). "rest" names the only datastore, so it is "rest:stdlib" too.
+    with pytest.raises(ValueError, match=r"^ngram asked for more than once"):
+        method_runs(["ngram", "pld", "ngram"], 8, {})
+    with pytest.raises(ValueError, match=r"^rest:stdlib asked for more than once"):
+        method_runs(["rest", "rest:stdlib"], 8, {"stdlib": "/ds"})
+    # "plain" is always the first row, however often it is named.
+    assert [r.label for r in method_runs(["plain", "hybrid", "hybrid@b", "plain"], 8, {})] == [
+        "plain", "hybrid", "hybrid@b"]

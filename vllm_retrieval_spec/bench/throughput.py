@@ -142,6 +142,13 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
             config["datastore"] = datastores[store]
             label = store
         runs.append(MethodRun(name, config, datastore=label, variant=variant, name=row_name))
+    # Rows of one label cannot be told apart in the table or the JSON, and the plot draws one
+    # bar per label (the last row's). "rest" and "rest:NAME" are one label with one datastore.
+    labels = [run.label for run in runs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)} asked for more than once; a second row of one "
+                         "of our methods needs its own @NAME and --method-options entry")
     return runs
 
 
