@@ -238,3 +238,44 @@ def test_a_method_asked_for_twice_is_refused():
     # "plain" is always the first row, however often it is named.
     assert [r.label for r in method_runs(["plain", "hybrid", "hybrid@b", "plain"], 8, {})] == [
         "plain", "hybrid", "hybrid@b"]
+
+
+class FakeLLM:
+    """vllm.LLM as MethodEngine uses it: every request answers [7, 7], one forward a token."""
+
+    def __init__(self, model, speculative_config=None, **kwargs):
+        from types import SimpleNamespace
+
+        self.calls = []
+        self.core = SimpleNamespace(get_output=lambda: SimpleNamespace(outputs=[]),
+                                    shutdown=lambda: None)
+        self.llm_engine = SimpleNamespace(
+            engine_core=self.core, vllm_config=SimpleNamespace(speculative_config=None))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        self.calls.append(params)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 7],
+                                                         spec_decode_metrics=None)])
+                for _ in prompts]
+
+
+def test_the_warm_up_is_greedy_like_every_timed_request(monkeypatch):
+    import vllm
+    from tqdm import tqdm
+
+    from vllm_retrieval_spec.bench.engine import MethodEngine
+    from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun
+    from vllm_retrieval_spec.verification.core import tree_eligible
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    engine = MethodEngine("model", MethodRun("plain"), BenchSettings(), [1, 2, 3],
+                          tqdm(disable=True))
+    engine.start_task("chat")
+    engine.generate([[1, 2, 3]])
+    warm_up, timed = engine.llm.calls
+    # Before: the warm-up sampled at vLLM's default temperature 1.0, so vLLM's greedy sampling
+    # and our greedy-only paths (trees, drafting before sampling) first ran in a timed request.
+    assert tree_eligible(timed) and tree_eligible(warm_up)
+    assert warm_up.max_tokens == 8

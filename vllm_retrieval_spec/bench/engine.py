@@ -105,9 +105,11 @@ class MethodEngine:
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else None
         self.greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
         self.forwards = ForwardCounter(self.llm)
-        # Warm up (numba, allocator, first-step paths) outside the timed region.
-        self.llm.generate([{"prompt_token_ids": warmup_prompt}], SamplingParams(max_tokens=8),
-                          use_tqdm=False)
+        # Warm up (numba, allocator, first-step paths) outside the timed region. Greedy, as
+        # the timed requests are: vLLM samples them otherwise, and trees and drafting before
+        # sampling are for greedy requests alone.
+        self.llm.generate([{"prompt_token_ids": warmup_prompt}],
+                          SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
     def run_tasks(self, prompts: dict[str, list[list[int]]], concurrency: int
                   ) -> dict[str, tuple[dict[str, Any], list[list[int]]]]:
