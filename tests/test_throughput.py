@@ -279,3 +279,40 @@ def test_the_warm_up_is_greedy_like_every_timed_request(monkeypatch):
     # and our greedy-only paths (trees, drafting before sampling) first ran in a timed request.
     assert tree_eligible(timed) and tree_eligible(warm_up)
     assert warm_up.max_tokens == 8
+
+
+def test_calibration_times_every_run_of_a_context_alike(monkeypatch):
+    """A fake engine with vLLM's prefix cache: a prompt not seen before costs 320 ms of
+    prefill, every step 10 ms; the clock moves only when the engine works."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    import transformers
+    import vllm
+
+    from vllm_retrieval_spec.bench import tasks, verify_cost
+
+    clock = [0.0]
+    seen = set()
+
+    class CachingLLM:
+        def __init__(self, model, **kwargs):
+            self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
+
+        def generate(self, prompts, params, use_tqdm=False):
+            prompt = tuple(prompts[0]["prompt_token_ids"])
+            clock[0] += (0 if prompt in seen else 0.32) + 0.01 * params.max_tokens
+            seen.add(prompt)
+
+    monkeypatch.setenv(verify_cost.LENGTH_FILE_ENV, "")  # measure sets it; restored after
+    monkeypatch.setattr(vllm, "LLM", CachingLLM)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda model: None)
+    monkeypatch.setattr(tasks, "task_prompts", lambda *args: [list(range(1000))])
+    monkeypatch.setattr(verify_cost, "time", SimpleNamespace(perf_counter=lambda: clock[0],
+                                                             sleep=real_time.sleep))
+    rows = verify_cost.measure("model", [50, 700], [0, 2, 4], repeats=2, max_tokens=32)
+    # Before: the warm-up cached the 50-token context alone, so the first run of the 700-token
+    # one (draft length 0, repeat 1) carried its whole prefill: 20 ms a step instead of 10,
+    # and with --repeats 1 or 2 that went into the median and the calibrated options.
+    assert {(r["context_tokens"], r["draft_len"]): r["ms_per_step"] for r in rows} == {
+        (c, d): [10.0, 10.0] for c in (50, 700) for d in (0, 2, 4)}

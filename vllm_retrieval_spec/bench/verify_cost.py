@@ -4,8 +4,10 @@ One engine whose proposer drafts ``d`` copies of token 0 (``<|endoftext|>``, whi
 to never predicts mid-text) at every step, so nothing is accepted and every step emits one token:
 the time per step is the cost of verifying d draft tokens. ``d`` is read from a file at every
 step, so all lengths share one engine and are measured in turns (repeats interleave, which
-spreads this machine's drifts over all lengths). The time per step includes the prompt's prefill
-divided by ``--max-tokens``, the same for every d of one context length.
+spreads this machine's drifts over all lengths). Every context is generated once before the timed
+runs, so each of them finds its prompt in vLLM's prefix cache: the time per step is that of the
+decoding steps plus the prefill of the prompt's last, partial block divided by ``--max-tokens``,
+the same for every d and repeat of one context length.
 
     python -m vllm_retrieval_spec.bench.verify_cost --run-name verify-cost
 """
@@ -65,7 +67,10 @@ def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
     runs = [(context, length) for _ in range(repeats) for context in contexts
             for length in lengths]
     try:
-        llm.generate([{"prompt_token_ids": text[:50]}], params, use_tqdm=False)  # warm-up
+        # Warm-up, and every context into the prefix cache: were only the first run of a
+        # context to pay its whole prefill, that run would be an outlier of its length.
+        for context in contexts:
+            llm.generate([{"prompt_token_ids": text[:context]}], params, use_tqdm=False)
         for context, length in tqdm(runs, desc="verify cost", unit="run", file=progress_file):
             length_file.write_text(str(length))
             start = time.perf_counter()
