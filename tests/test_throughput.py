@@ -247,8 +247,8 @@ class FakeLLM:
         from types import SimpleNamespace
 
         self.calls = []
-        self.core = SimpleNamespace(get_output=lambda: SimpleNamespace(outputs=[]),
-                                    shutdown=lambda: None)
+        step = SimpleNamespace(outputs=[SimpleNamespace(new_token_ids=[7])])
+        self.core = SimpleNamespace(get_output=lambda: step, shutdown=lambda: None)
         self.llm_engine = SimpleNamespace(
             engine_core=self.core, vllm_config=SimpleNamespace(speculative_config=None))
 
@@ -256,6 +256,8 @@ class FakeLLM:
         from types import SimpleNamespace
 
         self.calls.append(params)
+        for _ in range(2 * len(prompts)):
+            self.core.get_output()  # as MethodEngine's ForwardCounter wraps it
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 7],
                                                          spec_decode_metrics=None)])
                 for _ in prompts]
@@ -316,3 +318,66 @@ def test_calibration_times_every_run_of_a_context_alike(monkeypatch):
     # and with --repeats 1 or 2 that went into the median and the calibrated options.
     assert {(r["context_tokens"], r["draft_len"]): r["ms_per_step"] for r in rows} == {
         (c, d): [10.0, 10.0] for c in (50, 700) for d in (0, 2, 4)}
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_a_method_that_fails_leaves_the_others_rows_and_says_why(monkeypatch, interleave):
+    import torch
+    import vllm
+    from tqdm import tqdm
+
+    from vllm_retrieval_spec.bench import throughput
+    from vllm_retrieval_spec.bench.results import compared_with_plain, format_table, write_plot
+
+    stats = {"p50_ms": None, "p99_ms": None, "critical_p50_ms": None, "critical_p99_ms": None}
+
+    class FailingLLM(FakeLLM):
+        """pld cannot start; rest crashes at its third request (the first of task b)."""
+
+        def __init__(self, model, speculative_config=None, **kwargs):
+            if (speculative_config or {}).get("method") == "pld":
+                raise RuntimeError("pld would not start")
+            super().__init__(model)
+            self.method = (speculative_config or {}).get("method")
+
+        def generate(self, prompts, params, use_tqdm=False):
+            if self.method == "rest" and len(self.calls) == 3:
+                raise RuntimeError("EngineDeadError")
+            return super().generate(prompts, params, use_tqdm)
+
+        def collective_rpc(self, name, kwargs=None):
+            return [stats]
+
+    monkeypatch.setattr(vllm, "LLM", FailingLLM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runs = [throughput.MethodRun("plain"), throughput.MethodRun("pld", {"method": "pld"}),
+            throughput.MethodRun("rest", {"method": "rest"}),
+            throughput.MethodRun("hybrid", {"method": "hybrid"})]
+    settings = throughput.BenchSettings(interleave=interleave)
+    prompts = {"a": [[1], [2]], "b": [[3], [4]]}
+    results = throughput._run_engines("model", runs, prompts, settings, tqdm(disable=True),
+                                      [[0, 1, 2, 3]] if interleave else [[0], [1], [2], [3]])
+    rows = compared_with_plain(results)
+    # Before: the first exception ended the run, every row lost and nothing written.
+    assert [(r["task"], r["method"], "speedup" in r, r.get("error")) for r in rows] == [
+        ("a", "plain", True, None), ("b", "plain", True, None),
+        ("a", "pld", False, "RuntimeError: pld would not start"),
+        ("b", "pld", False, "RuntimeError: pld would not start"),
+        ("a", "rest", True, None), ("b", "rest", False, "RuntimeError: EngineDeadError"),
+        ("a", "hybrid", True, None), ("b", "hybrid", True, None)]
+    assert "| b | rest |" + "  |" * 12 + " RuntimeError: EngineDeadError |" in format_table(rows)
+    figure = write_plot({"run": "r", "model": "m", "machine": "cpu", "vllm": "0.32.0",
+                         "rows": rows}, "/dev/null")
+    assert len(figure.axes[0].patches) == 3  # rest on a, hybrid on a and b
+
+    class PlainFails(FailingLLM):
+        def generate(self, prompts, params, use_tqdm=False):
+            if self.method is None and len(self.calls) == 2:
+                raise RuntimeError("plain died")
+            return super().generate(prompts, params, use_tqdm)
+
+    # Plain decoding is every row's baseline: its failure still ends the run.
+    monkeypatch.setattr(vllm, "LLM", PlainFails)
+    with pytest.raises(RuntimeError, match="plain died"):
+        throughput._run_engines("model", runs, prompts, settings, tqdm(disable=True),
+                                [[0, 1, 2, 3]])

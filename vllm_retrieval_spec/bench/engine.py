@@ -111,16 +111,6 @@ class MethodEngine:
         self.llm.generate([{"prompt_token_ids": warmup_prompt}],
                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
-    def run_tasks(self, prompts: dict[str, list[list[int]]], concurrency: int
-                  ) -> dict[str, tuple[dict[str, Any], list[list[int]]]]:
-        results = {}
-        for task, task_prompts in prompts.items():
-            self.start_task(task)
-            for start, _ in turns(len(task_prompts), concurrency, 1):
-                self.generate(task_prompts[start:start + concurrency])
-            results[task] = self.finish_task()
-        return results
-
     def start_task(self, task: str) -> None:
         self.task = task
         self.outputs: list[list[int]] = []

@@ -22,6 +22,9 @@ def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[
     rows = []
     for by_task in results:
         for task, (row, outputs) in by_task.items():
+            if "error" in row:
+                rows.append(row)
+                continue
             plain_row, plain_outputs = results[0][task]
             row = {**row, "speedup": round(row["tokens_per_s"] / plain_row["tokens_per_s"], 3),
                    "outputs_equal_plain": outputs == plain_outputs}
@@ -54,6 +57,17 @@ def halves(batches: list[tuple[int, int, float, int]]) -> dict[str, dict[str, fl
             for half, part in parts.items() if part}
 
 
+def failed_row(run: MethodRun, task: str, error: str) -> dict[str, Any]:
+    """The row of a method whose engine failed before it finished ``task``: why, no numbers."""
+    return {"task": task, "method": _row_method(run), "datastore": run.datastore,
+            "error": error}
+
+
+def _row_method(run: MethodRun) -> str:
+    return run.method + (f"/{run.variant}" if run.variant else "") \
+        + (f"@{run.name}" if run.name else "")
+
+
 def task_row(run: MethodRun, num_speculative_tokens: int | None, task: str,
              settings: BenchSettings, outputs: list[list[int]],
              batches: list[tuple[int, int, float, int]], accepted: float, drafts: float,
@@ -70,8 +84,7 @@ def task_row(run: MethodRun, num_speculative_tokens: int | None, task: str,
     config["dtype"] = settings.dtype
     row = {
         "task": task,
-        "method": run.method + (f"/{run.variant}" if run.variant else "")
-                  + (f"@{run.name}" if run.name else ""),
+        "method": _row_method(run),
         "config": config,
         "datastore": run.datastore,
         "prompts": len(outputs),
@@ -135,7 +148,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the rows' headline columns, task by task (methods in run order)."""
     tasks = list(dict.fromkeys(row["task"] for row in rows))
     ordered = sorted(rows, key=lambda row: tasks.index(row["task"]))
-    return "\n".join(markdown_table([(c, c) for c in COLUMNS], ordered))
+    # Why a method's engine failed, where one did (its other cells are empty).
+    columns = COLUMNS + (("error",) if any("error" in row for row in rows) else ())
+    return "\n".join(markdown_table([(c, c) for c in columns], ordered))
 
 
 def format_halves_table(rows: list[dict[str, Any]]) -> str:

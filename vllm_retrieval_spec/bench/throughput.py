@@ -13,15 +13,18 @@ rows, tables and plot.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm_retrieval_spec.bench.engine import MethodEngine, cpu_kv_cache_bytes, turns
 from vllm_retrieval_spec.bench.report import results_document
-from vllm_retrieval_spec.bench.results import compared_with_plain, method_label
+from vllm_retrieval_spec.bench.results import compared_with_plain, failed_row, method_label
 from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -157,24 +160,21 @@ def run_benchmark(model: str, runs: list[MethodRun], prompts: dict[str, list[lis
                   progress_file: Any = None) -> dict[str, Any]:
     """Run every method on every task's prompts (task -> prompt token ids); return the results
     document. One progress bar (on ``progress_file``, default stderr) counts methods x prompts."""
+    import torch
     from tqdm import tqdm
 
     if settings.interleave:
         check_memory_for_interleaving(len(runs), model, settings)
     total = len(runs) * sum(map(len, prompts.values()))
+    # All engines alive at once (see _run_engines), or one after another.
+    groups = [list(range(len(runs)))] if settings.interleave else [[e] for e in range(len(runs))]
+    if settings.interleave and torch.cuda.is_available():
+        # vLLM gives one engine 90% of the GPU by default; all of them share it here.
+        settings = dataclasses.replace(settings, engine_kwargs={
+            "gpu_memory_utilization": round(0.85 / len(runs), 3), **settings.engine_kwargs})
     with tqdm(total=total, desc="bench", unit="prompt", dynamic_ncols=True,
               file=progress_file) as progress:
-        if settings.interleave:
-            results = _run_interleaved(model, runs, prompts, settings, progress)
-        else:
-            results = []
-            for run in runs:
-                engine = MethodEngine(model, run, settings, next(iter(prompts.values()))[0],
-                                      progress)
-                try:
-                    results.append(engine.run_tasks(prompts, settings.concurrency))
-                finally:
-                    engine.close()
+        results = _run_engines(model, runs, prompts, settings, progress, groups)
     import vllm
 
     return {**results_document(run_name, command, compared_with_plain(results),
@@ -207,32 +207,57 @@ def check_memory_for_interleaving(num_engines: int, model: str,
             "methods unevenly)")
 
 
-def _run_interleaved(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
-                     settings: BenchSettings, progress: Any
-                     ) -> list[dict[str, tuple[dict[str, Any], list[list[int]]]]]:
-    """Every method's engine alive at once; each batch of prompts goes to every engine in turn,
-    the order rotating from batch to batch. On a shared 2-core machine the speed drifts by up to
-    20% over minutes; run one after another, methods would be timed in different minutes."""
-    import torch
+def _run_engines(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
+                 settings: BenchSettings, progress: Any, groups: list[list[int]]
+                 ) -> list[dict[str, tuple[dict[str, Any], list[list[int]] | None]]]:
+    """Each group of runs (indices into ``runs``) with its engines alive at once; each batch of
+    prompts goes to every engine of the group in turn, the order rotating from batch to batch.
+    On a shared 2-core machine the speed drifts by up to 20% over minutes; run one after
+    another, methods would be timed in different minutes.
 
-    if torch.cuda.is_available():
-        # vLLM gives one engine 90% of the GPU by default; all of them share it here.
-        settings = dataclasses.replace(settings, engine_kwargs={
-            "gpu_memory_utilization": round(0.85 / len(runs), 3), **settings.engine_kwargs})
-    engines: list[MethodEngine] = []
-    try:
-        for run in runs:
-            engines.append(MethodEngine(model, run, settings, next(iter(prompts.values()))[0],
-                                        progress))
-        results: list[dict[str, tuple[dict[str, Any], list[list[int]]]]] = [{} for _ in runs]
-        for task, task_prompts in prompts.items():
-            for engine in engines:
-                engine.start_task(task)
-            for start, e in turns(len(task_prompts), settings.concurrency, len(engines)):
-                engines[e].generate(task_prompts[start:start + settings.concurrency])
-            for engine, by_task in zip(engines, results):
-                by_task[task] = engine.finish_task()
-    finally:
-        for engine in engines:
-            engine.close()
+    An engine that fails (to start, or at any call) is closed and its rows from then on say why
+    (``error``), while the others run on: one method's crash does not lose the whole run. Plain
+    decoding's failure ends it, since every row is compared with plain."""
+    results: list[dict[str, tuple[dict[str, Any], list[list[int]] | None]]] = [
+        {} for _ in runs]
+    failures: dict[int, str] = {}
+    engines: dict[int, MethodEngine] = {}
+
+    def attempt(e: int, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as error:
+            if e == 0:
+                raise
+            failures[e] = f"{type(error).__name__}: {error}"
+            engine = engines.pop(e, None)
+            if engine is not None:
+                # A crashed engine may fail to shut down too; its failure is recorded already.
+                with contextlib.suppress(Exception):
+                    engine.close()
+            return None
+
+    warmup_prompt = next(iter(prompts.values()))[0]
+    for group in groups:
+        try:
+            for e in group:
+                engine = attempt(e, functools.partial(MethodEngine, model, runs[e], settings,
+                                                      warmup_prompt, progress))
+                if engine is not None:
+                    engines[e] = engine
+            for task, task_prompts in prompts.items():
+                for e in list(engines):
+                    attempt(e, functools.partial(engines[e].start_task, task))
+                for start, j in turns(len(task_prompts), settings.concurrency, len(group)):
+                    if group[j] in engines:
+                        attempt(group[j], functools.partial(
+                            engines[group[j]].generate,
+                            task_prompts[start:start + settings.concurrency]))
+                for e in group:
+                    done = attempt(e, engines[e].finish_task) if e in engines else None
+                    results[e][task] = done or (failed_row(runs[e], task, failures[e]), None)
+        finally:
+            for engine in engines.values():
+                engine.close()
+            engines.clear()
     return results
