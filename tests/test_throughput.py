@@ -283,6 +283,31 @@ def test_the_warm_up_is_greedy_like_every_timed_request(monkeypatch):
     assert warm_up.max_tokens == 8
 
 
+def test_an_engine_whose_warm_up_fails_is_shut_down(monkeypatch):
+    """Its processes would otherwise outlive a run that goes on without it."""
+    import vllm
+    from tqdm import tqdm
+
+    from vllm_retrieval_spec.bench.engine import MethodEngine
+    from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun
+
+    shut_down = []
+
+    class FailingWarmUp(FakeLLM):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)
+            self.core.shutdown = lambda: shut_down.append(True)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            raise RuntimeError("engine died")
+
+    monkeypatch.setattr(vllm, "LLM", FailingWarmUp)
+    with pytest.raises(RuntimeError, match="engine died"):
+        MethodEngine("model", MethodRun("plain"), BenchSettings(), [1, 2, 3],
+                     tqdm(disable=True))
+    assert shut_down == [True]
+
+
 def test_calibration_times_every_run_of_a_context_alike(monkeypatch):
     """A fake engine with vLLM's prefix cache: a prompt not seen before costs 320 ms of
     prefill, every step 10 ms; the clock moves only when the engine works."""

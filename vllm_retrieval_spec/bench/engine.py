@@ -100,16 +100,22 @@ class MethodEngine:
                            # engine of an interleaved run adds to.
                            per_request_spec_decode_metrics="summary" if self.speculative
                            else "none", **engine_kwargs)
-        speculative = self.llm.llm_engine.vllm_config.speculative_config
-        #: Drafts of at most this many tokens (vLLM fills it in for ``suffix``).
-        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else None
-        self.greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
-        self.forwards = ForwardCounter(self.llm)
-        # Warm up (numba, allocator, first-step paths) outside the timed region. Greedy, as
-        # the timed requests are: vLLM samples them otherwise, and trees and drafting before
-        # sampling are for greedy requests alone.
-        self.llm.generate([{"prompt_token_ids": warmup_prompt}],
-                          SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        try:
+            speculative = self.llm.llm_engine.vllm_config.speculative_config
+            #: Drafts of at most this many tokens (vLLM fills it in for ``suffix``).
+            self.num_speculative_tokens = (speculative.num_speculative_tokens if speculative
+                                           else None)
+            self.greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
+            self.forwards = ForwardCounter(self.llm)
+            # Warm up (numba, allocator, first-step paths) outside the timed region. Greedy, as
+            # the timed requests are: vLLM samples them otherwise, and trees and drafting
+            # before sampling are for greedy requests alone.
+            self.llm.generate([{"prompt_token_ids": warmup_prompt}],
+                              SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        except BaseException:
+            # The engine started: its processes would outlive a run that goes on without it.
+            self.close()
+            raise
 
     def start_task(self, task: str) -> None:
         self.task = task
