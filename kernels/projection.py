@@ -39,6 +39,13 @@ BLOCK_H = 64
 #: (benchmarks/results/kernels-h200-sweep.md).
 MIN_SPLIT_HIDDEN = 1024
 MIN_SPLIT_H = 256
+#: Projected dims per program at most. Each program keeps BLOCK_H x BLOCK_D float32 tiles of
+#: the components in flight in shared memory, which an H100 has 227 KiB of: 512 dims would need
+#: over 260 KiB (256: 133 KiB; 64-row blocks need 273 KiB at 256 dims, so take 128 at most). The
+#: PCA may keep any number of dims up to the hidden size: wider ones are tiled across programs,
+#: whose sums the second kernel normalises, as for a split hidden dimension.
+MAX_BLOCK_D = 256
+MAX_BLOCK_D_LARGE = 128
 
 
 def project_reference(
@@ -57,15 +64,16 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def project_kernel(
         x_ptr, mean_ptr, inv_std_ptr, comp_ptr, out_ptr, partial_ptr,
-        B, H, D, CHUNK_H,
+        B, H, D, CHUNK_H, WIDTH,
         stride_xb, stride_xh, stride_ch, stride_cd, stride_ob,
         EPS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        # Program (i, s) projects row block i over hidden units [s * CHUNK_H, (s + 1) * CHUNK_H).
+        # Program (i, s, t) projects row block i over hidden units [s * CHUNK_H, (s + 1) *
+        # CHUNK_H) onto tile t of the projected dims, [t * BLOCK_D, (t + 1) * BLOCK_D).
         split = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        cols = tl.arange(0, BLOCK_D)
+        cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         row_ok = rows < B
         col_ok = cols < D
         both = row_ok[:, None] & col_ok[None, :]
@@ -83,8 +91,9 @@ def _kernels() -> tuple[Any, Any]:
             acc = tl.dot((x - mu[None, :]) * scale[None, :], comp, acc,
                          input_precision=PRECISION)
         if SPLIT:
-            # Partial sums [splits, B, BLOCK_D]; normalise_kernel adds them up.
-            tl.store(partial_ptr + (split * B + rows[:, None]) * BLOCK_D + cols[None, :], acc,
+            # Partial sums [splits, B, WIDTH], each program's of its tile of dims;
+            # normalise_kernel adds them up.
+            tl.store(partial_ptr + (split * B + rows[:, None]) * WIDTH + cols[None, :], acc,
                      mask=both)
         else:
             norm = tl.sqrt(tl.sum(acc * acc, axis=1))
@@ -92,14 +101,15 @@ def _kernels() -> tuple[Any, Any]:
             tl.store(out_ptr + rows[:, None] * stride_ob + cols[None, :], acc, mask=both)
 
     @triton.jit
-    def normalise_kernel(partial_ptr, out_ptr, B, D, SPLITS, stride_ob,
+    def normalise_kernel(partial_ptr, out_ptr, B, D, WIDTH, SPLITS, stride_ob,
                          EPS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+        # BLOCK_D covers every projected dim: no dot here, so the row needs no shared memory.
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         cols = tl.arange(0, BLOCK_D)
         both = (rows < B)[:, None] & (cols < D)[None, :]
         acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
         for split in range(0, SPLITS):
-            acc += tl.load(partial_ptr + (split * B + rows[:, None]) * BLOCK_D + cols[None, :],
+            acc += tl.load(partial_ptr + (split * B + rows[:, None]) * WIDTH + cols[None, :],
                            mask=both, other=0.0)
         norm = tl.sqrt(tl.sum(acc * acc, axis=1))
         acc = acc / tl.maximum(norm, EPS)[:, None]
@@ -137,8 +147,8 @@ def project_triton(
 ) -> torch.Tensor:
     """The fused kernel; same contract as :func:`project_reference`.
 
-    ``splits``: programs per row block, each over a slice of the hidden dimension, whose partial
-    sums a second kernel adds up and normalises. By default one below MIN_SPLIT_HIDDEN, else as
+    ``splits``: programs per row block (and tile of MAX_BLOCK_D dims), each over a slice of the
+    hidden dimension, whose partial sums a second kernel adds up and normalises. By default one below MIN_SPLIT_HIDDEN, else as
     many as give the GPU's multiprocessors two programs each at most, in slices of at least
     MIN_SPLIT_H (one for a CPU under the interpreter)."""
     _check(hidden, mean, inv_std, components)
@@ -151,8 +161,11 @@ def project_triton(
     out = torch.empty((b, d), dtype=torch.float32, device=hidden.device)
     if b == 0:
         return out
+    full_d = max(16, triton.next_power_of_2(d))
     block_b = BLOCK_B_LARGE if b >= BLOCK_B_LARGE * 2 * multiprocessors(hidden.device) \
-        else BLOCK_B
+        and full_d <= MAX_BLOCK_D_LARGE else BLOCK_B
+    block_d = min(full_d, MAX_BLOCK_D)
+    d_tiles = triton.cdiv(d, block_d)
     row_blocks = triton.cdiv(b, block_b)
     h_blocks = triton.cdiv(h, BLOCK_H)
     if splits is None:
@@ -161,21 +174,22 @@ def project_triton(
     # Whole BLOCK_H tiles per split, and no split left without one.
     chunk_h = triton.cdiv(h_blocks, max(1, min(splits, h_blocks))) * BLOCK_H
     splits = triton.cdiv(h, chunk_h)
-    block_d = max(16, triton.next_power_of_2(d))
-    partial = torch.empty((splits, b, block_d) if splits > 1 else (0,), dtype=torch.float32,
+    split = splits > 1 or d_tiles > 1
+    width = d_tiles * block_d
+    partial = torch.empty((splits, b, width) if split else (0,), dtype=torch.float32,
                           device=hidden.device)
     project_kernel, normalise_kernel = _kernels()
-    project_kernel[(row_blocks, splits)](
+    project_kernel[(row_blocks, splits, d_tiles)](
         hidden, mean, inv_std, components, out, partial,
-        b, h, d, chunk_h,
+        b, h, d, chunk_h, width,
         hidden.stride(0), hidden.stride(1), components.stride(0), components.stride(1),
         out.stride(0),
-        EPS=EPS, BLOCK_B=block_b, BLOCK_H=BLOCK_H, BLOCK_D=block_d, SPLIT=splits > 1,
+        EPS=EPS, BLOCK_B=block_b, BLOCK_H=BLOCK_H, BLOCK_D=block_d, SPLIT=split,
         PRECISION=_precision(),
     )
-    if splits > 1:
-        normalise_kernel[(row_blocks,)](partial, out, b, d, splits, out.stride(0), EPS=EPS,
-                                        BLOCK_B=block_b, BLOCK_D=block_d)
+    if split:
+        normalise_kernel[(row_blocks,)](partial, out, b, d, width, splits, out.stride(0),
+                                        EPS=EPS, BLOCK_B=block_b, BLOCK_D=full_d)
     return out
 
 

@@ -80,7 +80,11 @@ def compile_everything() -> dict:
                          kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, splits=splits)
                 paged_tree_attention.paged_tree_attention(*inputs(c), head_dim ** -0.5,
                                                           splits=splits)
-        for rows, hidden, dims in [(1, 4096, 64), (64, 576, 48)]:
+        # PCA dims up to the hidden size are accepted: 300 and 1000 fit in shared memory only
+        # tiled across programs, 256 only in 16-row blocks (130 rows would take 64-row blocks
+        # on one "multiprocessor").
+        for rows, hidden, dims in [(1, 4096, 64), (64, 576, 48), (1, 4096, 300),
+                                   (3, 1000, 1000), (130, 576, 256)]:
             for splits in (1, 4):
                 projection.project_triton(torch.zeros(rows, hidden, dtype=dtype),
                                           torch.zeros(hidden), torch.ones(hidden),

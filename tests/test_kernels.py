@@ -69,6 +69,10 @@ CASES = {
     "empty": functools.partial(_inputs, 0, 64, 16),
     # 130 rows >= 2 x 64 x one "multiprocessor": 64-row blocks, a partial last one.
     "large-blocks-B130-H100-d64": functools.partial(_inputs, 130, 100, 64),
+    # More dims than one program's tile (MAX_BLOCK_D, set by an H100's shared memory): tiles of
+    # dims across programs, normalised by the second kernel; 256 dims: 16-row blocks.
+    "wide-B17-H100-d300": functools.partial(_inputs, 17, 100, 300),
+    "wide-B130-H100-d256": functools.partial(_inputs, 130, 100, 256),
 }
 # The hidden dimension split across programs, as a GPU splits it for small batches (the
 # interpreter's one "multiprocessor" never asks for it): (inputs, splits asked for).
@@ -77,6 +81,7 @@ SPLIT_CASES = {
     "split3-B130-H1000-d64": (functools.partial(_inputs, 130, 1000, 64), 3),
     "split50-B5-H200-d16": (functools.partial(_inputs, 5, 200, 16), 50),  # 4: one per tile
     "split3-zero-row": (functools.partial(_zero_row, 300), 4),  # 3 splits of 2 tiles
+    "split3-B3-H1000-d600": (functools.partial(_inputs, 3, 1000, 600), 3),  # 3 tiles of dims
 }
 
 
