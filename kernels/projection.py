@@ -148,9 +148,9 @@ def project_triton(
     """The fused kernel; same contract as :func:`project_reference`.
 
     ``splits``: programs per row block (and tile of MAX_BLOCK_D dims), each over a slice of the
-    hidden dimension, whose partial sums a second kernel adds up and normalises. By default one below MIN_SPLIT_HIDDEN, else as
-    many as give the GPU's multiprocessors two programs each at most, in slices of at least
-    MIN_SPLIT_H (one for a CPU under the interpreter)."""
+    hidden dimension, whose partial sums a second kernel adds up and normalises. By default one
+    below MIN_SPLIT_HIDDEN, else as many as give the GPU's multiprocessors two programs each at
+    most, in slices of at least MIN_SPLIT_H (one for a CPU under the interpreter)."""
     _check(hidden, mean, inv_std, components)
     import triton
 
