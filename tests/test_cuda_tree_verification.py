@@ -225,7 +225,9 @@ def test_a_tree_step_with_no_tree_attention_fails_loudly():
 
 def impl(**changes):
     return types.SimpleNamespace(**{"sliding_window": (-1, -1), "logits_soft_cap": 0,
-                                    "sinks": None, "alibi_slopes": None, **changes})
+                                    "sinks": None, "alibi_slopes": None,
+                                    "kv_sharing_target_layer_name": None, "head_size": 128,
+                                    **changes})
 
 
 @pytest.mark.parametrize("args, message", [
@@ -239,6 +241,10 @@ def impl(**changes):
     (("TRITON_ATTN", impl(alibi_slopes=torch.ones(4)), "auto", False, False), "ALiBi"),
     (("FLASH_ATTN", impl(), "auto", True, False), "multi-head latent attention"),
     (("FLASH_ATTN", impl(), "auto", False, True), "M-RoPE"),
+    (("FLASH_ATTN", impl(kv_sharing_target_layer_name="model.layers.3.self_attn.attn"), "auto",
+      False, False), "a layer that shares another layer's KV cache"),
+    (("TRITON_ATTN", impl(head_size=512), "auto", False, False),
+     "head size 512: the kernel's tiles would need more shared memory than a GPU has above 256"),
 ])
 def test_unsupported_attention_is_refused(args, message):
     assert message in tree_refusal(*args)
@@ -247,6 +253,7 @@ def test_unsupported_attention_is_refused(args, message):
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
 def test_supported_backends_are_accepted(backend):
     assert tree_refusal(backend, impl(), "auto", False, False) is None
+    assert tree_refusal(backend, impl(head_size=256), "auto", False, False) is None
 
 
 def test_start_up_refusal_names_the_layer_and_the_fix():

@@ -21,13 +21,16 @@ from vllm_retrieval_spec.verification.core import TreeRow, TreeStep, TreeVerifie
 #: The backends whose tree rows the paged kernel can recompute: their cache layout is the
 #: kernel's, and they attend the rows it overwrites causally like any others.
 TREE_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+#: The widest head the paged kernel's 16-bit tiles fit an H100's shared memory with (256: 164
+#: KiB of 227; 512: 324 KiB; tests/test_kernel_compile.py).
+MAX_HEAD_SIZE = 256
 
 
 def tree_refusal(backend: str, impl: Any, kv_cache_dtype: str, use_mla: bool,
                  uses_mrope: bool) -> str | None:
     """Why trees cannot be verified with this attention layer, or None. ``impl`` is the
     layer's attention implementation (its ``sliding_window``, ``logits_soft_cap``, ``sinks``,
-    ``alibi_slopes``)."""
+    ``alibi_slopes``, ``kv_sharing_target_layer_name``, ``head_size``)."""
     if use_mla:
         return "multi-head latent attention (MLA) keeps a compressed cache the kernel cannot read"
     if uses_mrope:
@@ -47,6 +50,13 @@ def tree_refusal(backend: str, impl: Any, kv_cache_dtype: str, use_mla: bool,
         return "attention sinks"
     if getattr(impl, "alibi_slopes", None) is not None:
         return "ALiBi"
+    if getattr(impl, "kv_sharing_target_layer_name", None) is not None:
+        # Such a layer gets no key and value of its own to attend the tree rows with.
+        return "a layer that shares another layer's KV cache"
+    head_size = getattr(impl, "head_size", 0)
+    if head_size > MAX_HEAD_SIZE:
+        return (f"head size {head_size}: the kernel's tiles would need more shared memory than "
+                f"a GPU has above {MAX_HEAD_SIZE}")
     return None
 
 
