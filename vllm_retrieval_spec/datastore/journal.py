@@ -20,7 +20,6 @@ is read of that segment, with one warning.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -246,54 +245,37 @@ class JournalWriter:
                 # Serving goes on; these requests stay in memory and reach the next snapshot.
                 logger.exception("served store: could not write %d records to the journal in "
                                  "%s", len(batch), self.directory)
-                self._seal_after_failure()
+                self._seal(cut_back=True)
 
     def rotate(self) -> None:
         """Seal the current segment (if it has records): it is never appended to again."""
         with self._write_lock:
             self._seal()
 
-    def _seal(self) -> None:
-        if self._fd is None:
-            return
-        fd, path, self._fd = self._fd, self._path, None
-        # Whatever fails below, the next batch starts another segment: this one's name, still on
-        # disk, would refuse it (O_EXCL) at every later batch.
-        self._number += 1
-        try:
-            os.close(fd)
-            os.rename(path, path.with_name(path.name + SEALED))
-        except FileNotFoundError:
-            pass  # deleted as a dead replica's (``stale_segment``): nothing left to seal
-        except OSError:
-            # Left unsealed (it is read all the same): taken for a dead replica's once this
-            # process is gone.
-            logger.exception("served store: could not seal the journal segment %s", path)
-
-    def _seal_after_failure(self) -> None:
-        """A failed batch may have left part of itself in the segment (a full disk, a failed
-        fsync), and readers stop at the first torn record, so no later batch may follow it: the
-        segment is cut back to its last whole batch and sealed; the next batch starts another."""
+    def _seal(self, cut_back: bool = False) -> None:
+        """Seal the current segment; with ``cut_back`` (after a failed batch, which may have
+        left part of itself there: readers stop at the first torn record) first cut it back to
+        its last whole batch. Whatever fails here, the next batch starts another segment: this
+        one's name, still on disk, would refuse it (O_EXCL) at every later batch."""
         if self._fd is None:
             return
         fd, path, self._fd = self._fd, self._path, None
         size = self.sizes[self._segment_name()]
         self._number += 1
-        closed = False
         try:
-            os.ftruncate(fd, size)
-            closed = True  # by the call below even if it fails (Linux)
-            os.close(fd)
+            try:
+                if cut_back:
+                    os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
             os.rename(path, path.with_name(path.name + SEALED))
         except FileNotFoundError:
-            pass  # deleted as a dead replica's meanwhile
+            pass  # deleted as a dead replica's (``stale_segment``): nothing left to seal
         except OSError:
-            # Readers warn once about what follows the last whole batch, and skip it.
-            logger.exception("served store: could not cut back and seal the journal segment "
-                             "%s after a failed write", path)
-            if not closed:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            # Left unsealed, it is read all the same (readers warn once about a torn tail and
+            # skip it), and taken for a dead replica's once this process is gone.
+            logger.exception("served store: could not %s the journal segment %s",
+                             "cut back and seal" if cut_back else "seal", path)
 
     def flushed_sizes(self) -> dict[str, int]:
         with self._write_lock:
