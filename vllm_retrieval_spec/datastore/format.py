@@ -384,19 +384,19 @@ def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False) -> Iter
     output = Path(output)
     _check_replaceable(output, overwrite)
     # The parent first: atomic_path cannot even clear its temporary name under a file.
-    _make_dir(output.parent, output)
+    make_output_dir(output.parent, output)
     with atomic_path(output) as tmp:
-        _make_dir(tmp, output)
+        make_output_dir(tmp, output)
         yield tmp
         if not (tmp / MANIFEST_FILE).is_file():
             raise RuntimeError(f"the build did not write {MANIFEST_FILE} into {tmp}")
         _check_replaceable(output, overwrite)
 
 
-def _make_dir(directory: Path, output: Path) -> None:
-    """mkdir -p for a build's output. Failing here means the output path is wrong (under a
-    file, in a read-only place), which the user fixes, so it is a DatastoreError, not a
-    traceback."""
+def make_output_dir(directory: Path, output: Path) -> None:
+    """mkdir -p for an output (a build's, a corpus's). Failing here means the output path is
+    wrong (under a file, in a read-only place), which the user fixes, so it is a DatastoreError,
+    not a traceback."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:

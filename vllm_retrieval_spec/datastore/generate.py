@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from vllm_retrieval_spec.atomic import atomic_path
-from vllm_retrieval_spec.datastore.format import DatastoreError
+from vllm_retrieval_spec.datastore.format import DatastoreError, make_output_dir
 
 
 def answer_conversations(model: str, conversations: list[list[dict[str, str]]], *,
@@ -69,11 +69,6 @@ def _check_corpus_output(output: Path, overwrite: bool) -> None:
         raise DatastoreError(f"{output} is a directory; give the path of the .jsonl file to write")
     if output.exists() and not overwrite:
         raise DatastoreError(f"{output} exists; pass --overwrite to replace it")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DatastoreError(
-            f"cannot create {output} ({e.strerror}: {e.filename}); choose another output"
-        ) from None
+    make_output_dir(output.parent, output)
     if not os.access(output.parent, os.W_OK):
         raise DatastoreError(f"cannot write into {output.parent}; choose another output")
