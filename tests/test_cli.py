@@ -269,3 +269,14 @@ def test_a_prompt_without_room_for_an_output_token_is_refused_before_any_engine(
                                          rf"{tasks.MAX_MODEL_LEN} tokens; the engines serve "
                                          rf"{tasks.MAX_MODEL_LEN} tokens, prompt and output$"):
         cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--sequential"])
+
+
+@pytest.mark.parametrize("entry, expected", [
+    ("ds/stdlib", ("stdlib", "ds/stdlib")),
+    ("own=ds/stdlib", ("own", "ds/stdlib")),
+    ("own=runs/k=24/ds", ("own", "runs/k=24/ds")),
+    ("runs/k=24/ds", ("ds", "runs/k=24/ds")),
+    ("=ds/stdlib", ("stdlib", "ds/stdlib")),
+])
+def test_datastore_entries_are_split_at_the_names_end(entry, expected):
+    assert commands.datastore_entry(entry) == expected

@@ -24,10 +24,7 @@ def bench_command(args: argparse.Namespace) -> None:
         BenchSettings, check_memory_for_interleaving, method_runs, run_benchmark)
 
     model = cli.resolve_model(args.model)
-    datastores = {}
-    for entry in args.datastore or []:
-        name, _, path = entry.rpartition("=")
-        datastores[name or Path(path).name] = path
+    datastores = dict(datastore_entry(entry) for entry in args.datastore or [])
     settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
                              concurrency=args.concurrency, interleave=not args.sequential)
     try:
@@ -83,6 +80,15 @@ def engine_output_to(log: Path | None) -> Iterator[TextIO]:
 
 #: Prompts per benchmark task when ``--prompts`` is not given.
 TASK_PROMPTS = 20
+
+
+def datastore_entry(entry: str) -> tuple[str, str]:
+    """``[NAME=]DIR`` -> (NAME, DIR), NAME defaulting to the directory's name. A name holds no
+    '/' (it names rows, ``rest:NAME``), so the first '=' ends it and a directory may hold '='."""
+    name, sep, path = entry.partition("=")
+    if sep and "/" not in name:
+        return name or Path(path).name, path
+    return Path(entry).name, entry
 
 
 def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[int]]]:
