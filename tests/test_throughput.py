@@ -247,6 +247,7 @@ class FakeLLM:
         from types import SimpleNamespace
 
         self.calls = []
+        self.prompts = []
         step = SimpleNamespace(outputs=[SimpleNamespace(new_token_ids=[7])])
         self.core = SimpleNamespace(get_output=lambda: step, shutdown=lambda: None)
         self.llm_engine = SimpleNamespace(
@@ -256,6 +257,7 @@ class FakeLLM:
         from types import SimpleNamespace
 
         self.calls.append(params)
+        self.prompts += [p["prompt_token_ids"] for p in prompts]
         for _ in range(2 * len(prompts)):
             self.core.get_output()  # as MethodEngine's ForwardCounter wraps it
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 7],
@@ -281,6 +283,35 @@ def test_the_warm_up_is_greedy_like_every_timed_request(monkeypatch):
     # and our greedy-only paths (trees, drafting before sampling) first ran in a timed request.
     assert tree_eligible(timed) and tree_eligible(warm_up)
     assert warm_up.max_tokens == 8
+
+
+def test_engines_warm_up_on_no_timed_prompt(monkeypatch):
+    """suffix and hybrid keep what they serve: warmed up on the first timed prompt, they knew
+    8 tokens of its output before it was timed (before: ``prompts``' first prompt)."""
+    import vllm
+    from tqdm import tqdm
+
+    from vllm_retrieval_spec.bench import throughput
+
+    engines = []
+
+    class RecordingLLM(FakeLLM):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)
+            engines.append(self)
+
+        def collective_rpc(self, name, kwargs=None):
+            return [dict.fromkeys(["p50_ms", "p99_ms", "critical_p50_ms", "critical_p99_ms"])]
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    prompts = {"a": [[1, 2], [3]], "b": [[4]]}
+    runs = [throughput.MethodRun("plain"), throughput.MethodRun("hybrid", {"method": "hybrid"})]
+    results = throughput._run_engines("model", runs, prompts, [9, 9],
+                                      throughput.BenchSettings(), tqdm(disable=True), [[0, 1]])
+    assert [row.get("error") for rows in results for row, _ in rows.values()] == [None] * 4
+    for engine in engines:
+        assert engine.prompts[0] == [9, 9]
+        assert sorted(engine.prompts[1:]) == [[1, 2], [3], [4]]
 
 
 def test_an_engine_whose_warm_up_fails_is_shut_down(monkeypatch):
@@ -380,7 +411,7 @@ def test_a_method_that_fails_leaves_the_others_rows_and_says_why(monkeypatch, in
             throughput.MethodRun("hybrid", {"method": "hybrid"})]
     settings = throughput.BenchSettings(interleave=interleave)
     prompts = {"a": [[1], [2]], "b": [[3], [4]]}
-    results = throughput._run_engines("model", runs, prompts, settings, tqdm(disable=True),
+    results = throughput._run_engines("model", runs, prompts, [9], settings, tqdm(disable=True),
                                       [[0, 1, 2, 3]] if interleave else [[0], [1], [2], [3]])
     rows = compared_with_plain(results)
     # Before: the first exception ended the run, every row lost and nothing written.
@@ -404,5 +435,5 @@ def test_a_method_that_fails_leaves_the_others_rows_and_says_why(monkeypatch, in
     # Plain decoding is every row's baseline: its failure still ends the run.
     monkeypatch.setattr(vllm, "LLM", PlainFails)
     with pytest.raises(RuntimeError, match="plain died"):
-        throughput._run_engines("model", runs, prompts, settings, tqdm(disable=True),
+        throughput._run_engines("model", runs, prompts, [9], settings, tqdm(disable=True),
                                 [[0, 1, 2, 3]])

@@ -20,6 +20,7 @@ def bench_command(args: argparse.Namespace) -> None:
     """Every method of ``--methods`` on every task's prompts; a table, and results files."""
     from vllm_retrieval_spec import cli
     from vllm_retrieval_spec.bench.results import format_table, write_results
+    from vllm_retrieval_spec.bench.tasks import WARMUP_TEXT
     from vllm_retrieval_spec.bench.throughput import (
         BenchSettings, check_memory_for_interleaving, method_runs, run_benchmark)
 
@@ -37,9 +38,10 @@ def bench_command(args: argparse.Namespace) -> None:
     except ValueError as e:
         # Bad input or too little memory: say so before any engine starts, without a traceback.
         raise SystemExit(f"error: {e}") from None
+    warmup_prompt = cli.load_tokenizer(model).encode(WARMUP_TEXT)
     log = Path(args.output_dir or tempfile.gettempdir()) / f"{args.run_name}.log"
     with engine_output_to(None if args.verbose else log) as terminal:
-        results = run_benchmark(model, runs, prompts, settings, args.run_name,
+        results = run_benchmark(model, runs, prompts, warmup_prompt, settings, args.run_name,
                                 args.command_line, progress_file=terminal)
     print(format_table(results["rows"]))
     if args.output_dir:

@@ -40,6 +40,10 @@ TASKS = ("code-gen", "summarize", "code-edit", "chat-open", "chat")
 #: Context length the benchmarks, tests and corpus generation serve with: the longest prompt of
 #: every task plus its answer fits (checked by tests/test_tasks.py).
 MAX_MODEL_LEN = 2048
+#: What every bench engine is warmed up on: text no task holds, since ``suffix`` and ``hybrid``
+#: keep what they serve (warmed up on a timed prompt, they knew 8 tokens of its output), and
+#: repeated, so that context drafters draft during the warm-up too.
+WARMUP_TEXT = "Count with me: one, two, three, four, five. Again: one, two, three, four, five."
 
 Conversation = list[dict[str, str]]
 

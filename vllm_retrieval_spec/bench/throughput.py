@@ -156,10 +156,11 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
 
 
 def run_benchmark(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
-                  settings: BenchSettings, run_name: str, command: str,
+                  warmup_prompt: list[int], settings: BenchSettings, run_name: str, command: str,
                   progress_file: Any = None) -> dict[str, Any]:
     """Run every method on every task's prompts (task -> prompt token ids); return the results
-    document. One progress bar (on ``progress_file``, default stderr) counts methods x prompts."""
+    document. Every engine is warmed up on ``warmup_prompt`` first, untimed. One progress bar
+    (on ``progress_file``, default stderr) counts methods x prompts."""
     import torch
     from tqdm import tqdm
 
@@ -174,7 +175,7 @@ def run_benchmark(model: str, runs: list[MethodRun], prompts: dict[str, list[lis
             "gpu_memory_utilization": round(0.85 / len(runs), 3), **settings.engine_kwargs})
     with tqdm(total=total, desc="bench", unit="prompt", dynamic_ncols=True,
               file=progress_file) as progress:
-        results = _run_engines(model, runs, prompts, settings, progress, groups)
+        results = _run_engines(model, runs, prompts, warmup_prompt, settings, progress, groups)
     import vllm
 
     return {**results_document(run_name, command, compared_with_plain(results),
@@ -208,7 +209,7 @@ def check_memory_for_interleaving(num_engines: int, model: str,
 
 
 def _run_engines(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
-                 settings: BenchSettings, progress: Any, groups: list[list[int]]
+                 warmup_prompt: list[int], settings: BenchSettings, progress: Any, groups: list[list[int]]
                  ) -> list[dict[str, tuple[dict[str, Any], list[list[int]] | None]]]:
     """Each group of runs (indices into ``runs``) with its engines alive at once; each batch of
     prompts goes to every engine of the group in turn, the order rotating from batch to batch.
@@ -237,7 +238,6 @@ def _run_engines(model: str, runs: list[MethodRun], prompts: dict[str, list[list
                     engine.close()
             return None
 
-    warmup_prompt = next(iter(prompts.values()))[0]
     for group in groups:
         try:
             for e in group:
