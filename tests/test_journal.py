@@ -459,6 +459,21 @@ def test_purge_by_key_and_age_reaches_running_replicas_and_the_disk(tmp_path):
     assert replica(tmp_path, "h-3-c", keyed=True).stores.num_documents == 0
     assert [s.name for s in list_segments(tmp_path).values()] == []
 
+def test_purge_leaves_a_just_sealed_segment_to_replicas_yet_to_read_it(tmp_path):
+    a = replica(tmp_path, "h-1-a")
+    b = replica(tmp_path, "h-2-b")
+    serve(a, "1", [1, 1])
+    a.close()  # flushed and sealed; b has not polled since
+    assert purge(tmp_path, older_than_hours=1)[1] == 0
+    # Before: purge deleted the segment at once, so b never read the request, and b's next
+    # snapshot, the newest, left it out for every later start-up too.
+    b.sync()
+    assert stored(b) == [[1, 1]]
+    b.writer.flush()
+    b.compact(force=True)
+    assert stored(replica(tmp_path, "h-3-c")) == [[1, 1]]
+
+
 def test_purge_counts_and_keeps_a_request_read_twice_once(tmp_path):
     a = replica(tmp_path, "h-1-a", keyed=True)
     serve(a, "1", [1, 1], key="x")

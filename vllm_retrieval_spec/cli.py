@@ -145,13 +145,15 @@ def inspect_command(args: argparse.Namespace) -> None:
 
 def served_purge_command(args: argparse.Namespace) -> None:
     """Purge requests from a served store's directory, its replicas running or not."""
+    from vllm_retrieval_spec.datastore.journal import SETTLE_S
     from vllm_retrieval_spec.datastore.served_saver import purge
 
     if args.older_than is not None and args.older_than < 0:
         raise SystemExit("error: --older-than must be 0 or more hours")
     snapshot, removed = purge(args.directory, key=args.key, older_than_hours=args.older_than)
     print("running replicas drop the purged requests within their flush interval (1 s); "
-          + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name}"
+          + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name} "
+             f"(journal segments open or sealed in the last {SETTLE_S:.0f} s: at the fleet's next one)"
              if snapshot is not None else
              "a replica is writing a snapshot: the files lose them at the fleet's next one"))
 

@@ -552,8 +552,8 @@ def purge(directory: str | Path, *, key: str | None = None,
     A purge file first: every replica applies it at its next poll (and every start-up after),
     so the requests leave memory within a flush interval. Then, unless a replica is writing a
     snapshot, a snapshot of everything else on disk, and the segments it includes are deleted
-    where their writers are done; a running replica's open segment goes at its next
-    compaction. Returns the snapshot written (None: left to the fleet) and the requests it
+    where their writers are done and they have been still for ``SETTLE_S``; a running
+    replica's open segment, and one sealed since, go at the fleet's next compaction. Returns the snapshot written (None: left to the fleet) and the requests it
     removed."""
     directory = Path(directory)
     facts = read_store_facts(directory)
@@ -580,7 +580,9 @@ def purge(directory: str | Path, *, key: str | None = None,
         seq = int(_SNAPSHOT.fullmatch(snapshots[0].name)[1]) + 1 if snapshots else 1
         path = directory / f"snapshot-{seq:010d}-{lock.owner}"
         write_snapshot(path, kept, reader.offsets, facts.tokenizer)
-        remove_obsolete(directory, reader.offsets, reader.broken, "", 0.0)
+        # Settled as a compaction's: a replica yet to read a just-sealed segment would lose its
+        # last requests, and then leave them out of its own next snapshot, the newest.
+        remove_obsolete(directory, reader.offsets, reader.broken, "", SETTLE_S)
         return path, len(everything) - len(kept)
     finally:
         lock.release()
