@@ -306,3 +306,28 @@ def test_a_tree_goes_out_only_while_its_branches_pay_for_the_measured_tree_cost(
     assert trees[:MIN_SAMPLES + 1] == [True] * (MIN_SAMPLES + 1)
     assert trees[-4:] == [trees_at_the_end] * 4
     assert proposer.stats()["step_ms_tree_extra"] == pytest.approx(extra_ms)
+
+
+class TwoRoots(MethodDrafter):
+    """Drafts two alternatives for the next token: a tree of two nodes, no chain beyond one."""
+
+    def draft(self, row, context, max_len):
+        from vllm_retrieval_spec.drafting.tree import TreeDraft
+
+        return TreeDraft(np.array([5, 9], dtype=np.int32), np.array([-1, -1]), 1, 0.6)
+
+
+def test_a_tree_step_is_timed_where_no_chain_length_is_learned():
+    # k 2 below min_draft_len 3: the only length learned is 0, so a tree step has no chain
+    # cost to be compared with; timing it must not raise inside the engine's step.
+    proposer = helpers.proposer({"method": "pld", "num_speculative_tokens": 2, "tree": "on",
+                                 "pad_drafts": True, "min_draft_len": 3}, 64, TwoRoots())
+    assert proposer.lengths.step_costs.lengths == [0]
+    context = [1, 2, 3, 4]
+    for _ in range(3):
+        proposer.observe_batch(["r"], [True])
+        tokens, lengths = batch(context, width=64)
+        assert proposer.propose([[context[-1]]], lengths, tokens)[0] == [5, 9]
+        assert "r" in proposer.trees
+        proposer.after_handover()
+    assert proposer.lengths.step_costs.tree_extra() is None

@@ -116,7 +116,8 @@ class StepCostModel:
         if draft_len in self.medians:
             return self.medians[draft_len]
         longest = max(self.lengths)
-        half = max(longest // 2, min(n for n in self.lengths if n > 0))
+        # With k below min_len only 0 is learned (padding_lengths): no slope, no cost.
+        half = max(longest // 2, min((n for n in self.lengths if n > 0), default=longest))
         if draft_len < longest or longest not in self.medians or half not in self.medians \
                 or half == longest:
             return None
