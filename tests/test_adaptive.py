@@ -64,6 +64,21 @@ def test_caps_shrink_for_a_request_whose_drafts_fail():
     assert len(drafts[0]) == 1
 
 
+def test_acceptance_of_finished_requests_goes_while_large_batches_turn_drafting_off():
+    # Each request drafts twice alone, then shares one step (drafting off at 2) with another
+    # that finishes with it: the rates of requests served must not pile up.
+    p = proposer(disable_by_batch_size=2)
+    tokens, lengths = batch([5, 6], [5, 6], width=16)
+    for i in range(4):
+        for _ in range(2):
+            p.observe_batch([f"r{i}"])
+            p.propose([[6]], lengths[:1], tokens[:1])
+        p.observe_batch([f"r{i}", f"s{i}"])
+        p.propose([[6], [6]], lengths, tokens)
+    # At most one stale entry per batch row (dropped once the batch has fewer rows).
+    assert len(p.lengths.acceptance.rates) <= 2
+
+
 def test_without_request_ids_or_with_adaptation_off_drafts_are_not_capped():
     tokens, lengths = batch([5, 6], width=16)
     p = proposer()

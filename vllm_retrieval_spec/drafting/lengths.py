@@ -76,8 +76,9 @@ class DraftLengths:
         if len(self.last_drafted) > len(req_ids):
             present = set(req_ids)
             self.last_drafted = {r: n for r, n in self.last_drafted.items() if r in present}
-            if self.acceptance is not None:
-                self.acceptance.forget_except(present)
+        # Checked on its own: a step with drafting off clears last_drafted, not the rates.
+        if self.acceptance is not None and len(self.acceptance.rates) > len(req_ids):
+            self.acceptance.forget_except(set(req_ids))
 
     def begin_step(self, now: int, running: int, rows: int, row_req_ids: list[str]) -> bool:
         """At ``now``, as ``propose`` starts: times the step since the last ``propose`` if it
