@@ -145,13 +145,32 @@ def test_pld_plus_states_equal_a_transformers_forward(spec_llm, model_dir, code_
 
     from vllm_retrieval_spec.config import PldPlusConfig
 
+    def keep_states_of_finished(worker):
+        # The step that hears a request finished frees its states: copied just before.
+        method = worker.model_runner.drafter.method
+        method.finished_states = []
+        free = method.finished
+
+        def finished(req_ids, tokens=None):
+            method.finished_states += [method.caches[r].view().copy()
+                                       for r in req_ids if r in method.caches]
+            free(req_ids, tokens)
+
+        method.finished = finished
+
+    spec_llm.collective_rpc(keep_states_of_finished)
     prompt = code_prompts[0]
     output = generate_ids(spec_llm, [prompt], greedy())[0]
-    # The finished request's states stay cached until the next step drops them.
-    (cached,) = spec_llm.collective_rpc(
-        lambda worker: [c.view().copy()
-                        for c in worker.model_runner.drafter.method.caches.values()])
-    assert len(cached) == 1
+    # The finished request is announced in the step after its last one.
+    generate_ids(spec_llm, [[0]], greedy(1))
+
+    def take_states_of_finished(worker):
+        method = worker.model_runner.drafter.method
+        del method.finished  # the class's again
+        return method.finished_states
+
+    (cached,) = spec_llm.collective_rpc(take_states_of_finished)
+    assert len(cached) >= 1
     states = cached[0]
     sequence = prompt + output[:-1]  # the last token was never fed to the model
     assert states.shape[0] == len(sequence)

@@ -116,8 +116,25 @@ def test_states_follow_requests_across_reordering_and_leaving():
     tokens[1, :6] = [4, 7, 4, 5, 9, 4]
     drafts = proposer.propose([[1], [9]], np.array([3, 6], np.int32), tokens)
     assert drafts[1] == [5, 9, 4]
-    # Step 3: a has finished; only b is in the batch, so a's states are freed.
+    # Step 3: a has finished, so its states are freed.
+    proposer.observe_finished({"a"})
     record(proposer, ["b"], [one_hot([2])], [(3, 0, 1)])
+    assert set(proposer.method.caches) == {"b"}
+
+
+def test_states_survive_a_step_the_request_was_not_scheduled_in():
+    # vLLM drops a running request from the batch for a step it does not schedule (the
+    # token budget went to others): its states are still needed when it comes back.
+    proposer = make_proposer()
+    record(proposer, ["a", "b"], [one_hot([0, 1, 2, 3, 3])], [(0, 0, 3), (0, 3, 2)])
+    record(proposer, ["b"], [one_hot([1])], [(2, 0, 1)])
+    record(proposer, ["a", "b"], [one_hot([0, 0, 2])], [(3, 0, 2), (3, 2, 1)])
+    tokens = np.zeros((2, 64), dtype=np.int32)
+    tokens[0, :6] = [4, 7, 4, 5, 9, 4]
+    drafts = proposer.propose([[9], [1]], np.array([6, 4], np.int32), tokens)
+    assert drafts[0] == [5, 9, 4]
+    # Finishing frees them.
+    proposer.observe_finished({"a"})
     assert set(proposer.method.caches) == {"b"}
 
 

@@ -69,15 +69,13 @@ class PldPlusDrafter(MethodDrafter):
 
     def record_hidden_states(self, req_ids: list[str], aux_hidden_states: list[Any],
                              segments: list[tuple[int, int, int]]) -> None:
-        """Store this step's accepted states; forget requests that left the batch.
+        """Store this step's accepted states.
 
         A failure here must not reach the engine: the caches are dropped instead, so requests
         get no draft until their states are complete again (a recompute from position 0).
         """
         try:
             states = aux_hidden_states[0]
-            for req_id in self.caches.keys() - set(req_ids):
-                del self.caches[req_id]
             for req_id, (position, offset, count) in zip(req_ids, segments):
                 cache = self.caches.get(req_id)
                 if cache is None:
@@ -88,6 +86,12 @@ class PldPlusDrafter(MethodDrafter):
         except Exception:
             self.report("exception", "could not record hidden states", exc_info=True)
             self.caches.clear()
+
+    def finished(self, req_ids: set[str], tokens: dict[str, np.ndarray] | None = None) -> None:
+        # Not when a request leaves the batch: vLLM drops a running request from it for every
+        # step it does not schedule, and its states are needed when it comes back.
+        for req_id in req_ids:
+            self.caches.pop(req_id, None)
 
     def draft(self, row: int, context: np.ndarray, max_len: int) -> np.ndarray:
         cache = self.caches.get(self.row_req_ids[row]) if row < len(self.row_req_ids) else None
