@@ -284,3 +284,39 @@ def test_served_store_learns_alike_when_drafting_before_sampling(datastore):
         position += accepted + 1
     assert runs[0][1] == [truth[:position]]
     assert runs[1000][3] == {"used": len(runs[0][0]) + len(runs[0][2])}
+
+
+def test_a_draft_made_before_sampling_is_tied_to_the_state_it_was_drafted_from():
+    """A served store's index may be replaced while a draft is made (its rebuild runs in a
+    thread): the draft made before sampling is not handed out under the new index."""
+    from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
+
+    class Rebuilt(MethodDrafter):
+        """Drafts its index's number; the index is replaced during every draft."""
+
+        capabilities = Capabilities(precomputable=True)
+
+        def __init__(self):
+            self.index = (1,)
+
+        def draft(self, row, context, max_len):
+            drafted_from = self.index
+            self.index = (drafted_from[0] + 1,)
+            return np.full(3, drafted_from[0], dtype=np.int32)
+
+        def followers(self, row, context):
+            return np.empty(0, dtype=np.int32), False
+
+        def snapshot(self, row):
+            return self.index
+
+    proposer = RetrievalProposer(vllm_config({"method": "pld", "num_speculative_tokens": 3,
+                                              "draft_before_sampling": True}), Rebuilt())
+    assert proposer.capabilities.drafts_before_sampling
+    proposer.observe_batch(["r"])
+    before, _ = batch([1, 2], width=WIDTH)
+    proposer.draft_before_sampling([[3]], [[]], np.array([2]), before)
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    # Made from index 1, which index 2 replaced: drafted again, from index 2.
+    assert proposer.propose([[3]], lengths, tokens) == [[2, 2, 2]]
+    assert dict(proposer.ahead.precomputed) == {"missed": 1}

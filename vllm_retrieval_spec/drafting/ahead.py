@@ -89,10 +89,13 @@ class DraftAhead:
             last_drafted = self.lengths.last_drafted.get(req_id, 0)
             max_len = self.lengths.max_len(
                 len(context), self.lengths.cap_after(req_id, len(tokens) - 1, last_drafted))
+            # Before drafting: a served store's index replaced meanwhile must not pass for
+            # the one the draft came from.
+            snapshot = self.method.snapshot(i)
             draft, tree = self.checked(i, context, max_len, tree_of_row(i)) if max_len > 0 \
                 else ([], None)
             self.row_ahead[i] = ReadyDraft(
-                req_id, i, list(tokens), context, self.method.snapshot(i),
+                req_id, i, list(tokens), context, snapshot,
                 self.lengths.padded_draft(context, draft) if pad and tree is None else draft,
                 tree, len(draft), last_drafted)
 
