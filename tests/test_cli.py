@@ -92,6 +92,17 @@ def test_unknown_speculative_model(exec_argv, capsys):
     assert "invalid choice: 'eagle'" in capsys.readouterr().err
 
 
+def test_speculative_model_takes_every_registered_method(exec_argv, monkeypatch):
+    """A method added to config.METHODS is served without touching the CLI
+    (docs/adding-a-method.md)."""
+    from vllm_retrieval_spec.config import METHODS, PldConfig
+
+    calls, model = exec_argv
+    monkeypatch.setitem(METHODS, "toy", PldConfig)
+    cli.main(["serve", model, "--speculative-model", "toy"])
+    assert json.loads(calls[0][calls[0].index("--speculative-config") + 1])["method"] == "toy"
+
+
 def test_bench_refuses_more_engines_than_memory_holds_before_starting_any(monkeypatch, tmp_path):
     import psutil
 

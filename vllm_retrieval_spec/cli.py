@@ -19,6 +19,7 @@ from vllm_retrieval_spec.bench.commands import (
     calibrate_command,
     demo_command,
 )
+from vllm_retrieval_spec.config import METHODS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 #: Source aliases for build-datastore: corpora every Python machine has.
@@ -286,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "--served-model-name says otherwise")
     # vLLM 0.32 has no --speculative-model; this spelling is ours and becomes
     # --speculative-config '{"method": ..., "datastore": ..., ...}'.
-    p.add_argument("--speculative-model", choices=("rest", "pld", "pld_plus", "hybrid", "dresd"),
+    p.add_argument("--speculative-model", choices=tuple(METHODS),
                    help="retrieval method (shorthand for --speculative-config)")
     p.add_argument("--datastore", help="with --speculative-model: the datastore directory")
     p.add_argument("--num-speculative-tokens", type=int_at_least(1),
