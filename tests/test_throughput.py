@@ -452,3 +452,22 @@ def test_a_method_that_fails_leaves_the_others_rows_and_says_why(monkeypatch, in
     with pytest.raises(RuntimeError, match="plain died"):
         throughput._run_engines("model", runs, prompts, [9], settings, tqdm(disable=True),
                                 [[0, 1, 2, 3]])
+
+
+def test_verify_cost_results_name_the_model_measured(monkeypatch, tmp_path):
+    """The header's ``model`` is the model ``--model`` gave, not always the cached SmolLM2."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.bench import verify_cost
+
+    model = tmp_path / "Other-Model"
+    model.mkdir()
+    measured = []
+    monkeypatch.setattr(verify_cost, "measure", lambda m, *args: measured.append(m) or [
+        {"context_tokens": 50, "draft_len": 0, "ms_per_step": [1.0], "ms_per_step_median": 1.0}])
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.32.0"))
+    verify_cost.main(["--model", str(model), "--run-name", "vc", "--output-dir", str(tmp_path)])
+    assert measured == [str(model)]
+    assert json.loads((tmp_path / "vc.json").read_text())["model"] == str(model)

@@ -145,12 +145,15 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_retrieval_spec.cli import resolve_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    rows = measure(resolve_model(args.model), [int(c) for c in args.contexts.split(",")],
+    model = resolve_model(args.model)
+    rows = measure(model, [int(c) for c in args.contexts.split(",")],
                    [int(d) for d in args.lengths.split(",")], args.repeats, args.max_tokens)
     import vllm
 
     command = module_command("vllm_retrieval_spec.bench.verify_cost", argv)
-    results = results_document(args.run_name, command, rows, model=MODEL_NAME,
+    # The model measured, named as the throughput benchmark names it (docs/results-schema.md).
+    results = results_document(args.run_name, command, rows,
+                               model=MODEL_NAME if Path(model).name == MODEL_NAME else model,
                                vllm=vllm.__version__)
     table = markdown_table([("context tokens", "context_tokens"), ("draft tokens", "draft_len"),
                             ("ms per step (median)", "ms_per_step_median"),
