@@ -103,6 +103,13 @@ def test_speculative_model_takes_every_registered_method(exec_argv, monkeypatch)
     assert json.loads(calls[0][calls[0].index("--speculative-config") + 1])["method"] == "toy"
 
 
+def test_fetch_model_refuses_a_name_it_cannot_fetch(capsys):
+    """An unknown name is no folder: it must not be printed as one, with success."""
+    with pytest.raises(SystemExit, match="cannot fetch 'NoSuchModel' offline.*SmolLM2"):
+        cli.main(["fetch-model", "NoSuchModel"])
+    assert capsys.readouterr().out == ""
+
+
 def test_bench_refuses_more_engines_than_memory_holds_before_starting_any(monkeypatch, tmp_path):
     import psutil
 

@@ -160,6 +160,13 @@ def served_purge_command(args: argparse.Namespace) -> None:
 
 
 def fetch_model_command(args: argparse.Namespace) -> None:
+    from vllm_retrieval_spec.assets import offline_model_names
+
+    # resolve_model passes any other name on for vLLM to load (a hub id); printed here, it
+    # would pass for a folder that was fetched.
+    if not Path(args.model).exists() and args.model not in offline_model_names():
+        raise SystemExit(f"error: cannot fetch {args.model!r} offline; the models fetched "
+                         f"offline are {list(offline_model_names())}")
     print(resolve_model(args.model))
 
 
