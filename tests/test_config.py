@@ -89,10 +89,11 @@ def test_hybrid_needs_a_datastore_only_without_a_served_store():
     assert parse_speculative_config({**hybrid, "served_store": "per_request",
                                      "served_datastore": "s"},
                                     VLLM_CPU_DEFAULTS).served.served_datastore == "s"
+    journaled = {**hybrid, "served_datastore": "s"}
     with pytest.raises(ConfigError, match=r"'served_flush_ms'\]=0.0 is out of range"):
-        parse_speculative_config({**hybrid, "served_flush_ms": 0}, VLLM_CPU_DEFAULTS)
+        parse_speculative_config({**journaled, "served_flush_ms": 0}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'served_max_age_hours'\]=-1.0 is out of range"):
-        parse_speculative_config({**hybrid, "served_max_age_hours": -1}, VLLM_CPU_DEFAULTS)
+        parse_speculative_config({**journaled, "served_max_age_hours": -1}, VLLM_CPU_DEFAULTS)
     with pytest.raises(ConfigError, match=r"'served_max_keys'\]=0 is out of range"):
         parse_speculative_config({**hybrid, "served_store": "per_request", "served_max_keys": 0},
                                  VLLM_CPU_DEFAULTS)
@@ -232,6 +233,21 @@ def test_spec_tokens_gives_k_to_our_methods():
     options = with_shorthand_flags(SimpleNamespace(spec_model="m", spec_tokens=None), GOOD)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['model'\] for method 'rest'"):
         parse_speculative_config(options, VLLM_CPU_DEFAULTS)
+
+
+@pytest.mark.parametrize("option, value", [("served_max_age_hours", 24.0),
+                                           ("served_flush_ms", 100.0),
+                                           ("served_save_minutes", 1.0)])
+def test_served_directory_options_without_a_directory_are_refused(option, value):
+    # They were silently ignored: in memory, requests never age out (README's "For how long").
+    options = {"method": "hybrid", "num_speculative_tokens": 8}
+    with pytest.raises(ConfigError, match=rf"'{option}'\] needs a 'served_datastore'"):
+        parse_speculative_config({**options, option: value}, VLLM_CPU_DEFAULTS)
+    assert getattr(parse_speculative_config(
+        {**options, "served_datastore": "s", option: value}, VLLM_CPU_DEFAULTS).served,
+        option) == value
+    # A value equal to its default is no request for anything.
+    parse_speculative_config({**options, "served_max_age_hours": 720}, VLLM_CPU_DEFAULTS)
 
 
 @pytest.mark.parametrize("option, value", [("served_max_tokens", 10), ("served_prompts", False),

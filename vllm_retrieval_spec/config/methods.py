@@ -275,9 +275,23 @@ class HybridConfig(MethodConfig):
                         raise ConfigError(
                             f"speculative_config[{f.name!r}] needs served_store 'shared' or "
                             "'per_request': with 'off' nothing is stored")
+        elif not self.served.served_datastore:
+            # The directory's options would be silently ignored without one: the age limit
+            # too, which a user may rely on to keep requests no longer than it says.
+            for f in dataclasses.fields(self.served):
+                if (f.name in _DIRECTORY_OPTIONS
+                        and getattr(self.served, f.name) != f.default):
+                    raise ConfigError(
+                        f"speculative_config[{f.name!r}] needs a 'served_datastore': without "
+                        "one the served store is in memory only, where requests stay until "
+                        "evicted")
         if self.dense.dense == "on" and not self.store.datastore:
             raise ConfigError("speculative_config['dense']='on' needs a 'datastore' with a "
                               "dense index")
+
+
+#: Hybrid's options of a served store's directory (``served_datastore``).
+_DIRECTORY_OPTIONS = ("served_flush_ms", "served_save_minutes", "served_max_age_hours")
 
 
 METHODS: dict[str, type[MethodConfig]] = {
