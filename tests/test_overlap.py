@@ -148,34 +148,64 @@ def test_precomputed_drafts_equal_drafting_after_sampling(kind, datastore):
         assert used > missed
 
 
+TRUTH = CONTEXT + [4, 5, 6, 1, 2, 3, 7, 8, 1, 2, 9, 4, 5, 6, 10, 2, 3, 4, 5, 11, 1, 2, 3,
+                   4, 5, 12, 13, 1, 2, 3, 4, 5, 6, 7, 1, 2, 9, 9, 4, 5, 6]
+
+
+def _drafts_step_by_step(proposer, forward_done=lambda: False):
+    """Drafts for TRUTH step after step (acceptance caps carried from one to the next), as
+    vLLM drives it, and the acceptance rates at the end."""
+    drafts = []
+    position = len(CONTEXT)
+    sampled = [TRUTH[position - 1]]
+    while position < len(TRUTH):
+        proposer.observe_batch(["r"], [False])
+        tokens, lengths = batch(TRUTH[:position], width=WIDTH)
+        draft = proposer.propose([sampled], lengths, tokens)[0]
+        proposer.after_handover(forward_done)
+        drafts.append(draft)
+        accepted = 0
+        while accepted < len(draft) and position + accepted < len(TRUTH) \
+                and draft[accepted] == TRUTH[position + accepted]:
+            accepted += 1
+        sampled = TRUTH[position:position + accepted + 1]
+        position += accepted + 1
+    rates = dict(proposer.lengths.acceptance.rates) if proposer.lengths.acceptance else None
+    getattr(proposer, "close", lambda: None)()
+    return drafts, rates
+
+
 @pytest.mark.parametrize("kind", ["pld", "rest", "hybrid"])
 def test_a_request_drafts_alike_with_and_without_precomputed_drafts(kind, datastore):
-    """Step after step (acceptance caps carried from one to the next), as vLLM drives it."""
-    truth = CONTEXT + [4, 5, 6, 1, 2, 3, 7, 8, 1, 2, 9, 4, 5, 6, 10, 2, 3, 4, 5, 11, 1, 2, 3,
-                       4, 5, 12, 13, 1, 2, 3, 4, 5, 6, 7, 1, 2, 9, 9, 4, 5, 6]
-    runs = []
-    for precompute in (False, True):
-        proposer = _proposer(kind, datastore, precompute)
-        drafts = []
-        position = len(CONTEXT)
-        sampled = [truth[position - 1]]
-        while position < len(truth):
-            proposer.observe_batch(["r"], [False])
-            tokens, lengths = batch(truth[:position], width=WIDTH)
-            draft = proposer.propose([sampled], lengths, tokens)[0]
-            proposer.after_handover()
-            drafts.append(draft)
-            accepted = 0
-            while accepted < len(draft) and position + accepted < len(truth) \
-                    and draft[accepted] == truth[position + accepted]:
-                accepted += 1
-            sampled = truth[position:position + accepted + 1]
-            position += accepted + 1
-        runs.append((drafts, dict(proposer.lengths.acceptance.rates) if proposer.lengths.acceptance else None))
-        getattr(proposer, "close", lambda: None)()
-        if precompute:
-            assert proposer.ahead.precomputed["used"] > len(drafts) // 2
-    assert runs[0] == runs[1]
+    expected = _drafts_step_by_step(_proposer(kind, datastore, precompute=False))
+    proposer = _proposer(kind, datastore, precompute=True)
+    assert _drafts_step_by_step(proposer) == expected
+    assert proposer.ahead.precomputed["used"] > len(expected[0]) // 2
+
+
+@pytest.mark.parametrize("kind", ["pld", "rest", "hybrid"])
+@pytest.mark.parametrize("drafts_before_done", [0, 1, 3])
+def test_drafts_made_ahead_stop_when_the_forward_is_done(kind, drafts_before_done, datastore):
+    """On a GPU the drafts made ahead stop once the forward running beside them is done
+    (before: all of them, each then delaying the step): those not made are drafted by
+    ``propose``, alike."""
+    expected = _drafts_step_by_step(_proposer(kind, datastore, precompute=False))
+    proposer = _proposer(kind, datastore, precompute=True)
+    made_in_step = []
+    made_ahead = proposer.ahead.checked
+    proposer.ahead.checked = lambda *args: made_in_step.append(args) or made_ahead(*args)
+    after_handover = proposer.after_handover
+
+    def after_handover_of_step(forward_done):
+        made_in_step.clear()
+        after_handover(forward_done)
+        assert len(made_in_step) <= drafts_before_done
+
+    proposer.after_handover = after_handover_of_step
+    drafts = _drafts_step_by_step(proposer, lambda: len(made_in_step) >= drafts_before_done)
+    assert drafts == expected
+    used = proposer.ahead.precomputed["used"]
+    assert used > 0 if drafts_before_done else used == 0
 
 
 def test_greedy_sampled_is_the_accepted_draft_and_the_bonus_token():

@@ -216,3 +216,41 @@ def test_workers_start_after_numba_is_loaded_in_the_same_process(undo_register):
     ffi.lib._fntab.pop("__dict__", None)
     CpuPlatform.register_triton_kernel_overrides()
     assert vars(ffi.lib) == {}
+
+
+def test_drafts_are_made_ahead_until_the_forward_launched_on_a_gpu_is_done(monkeypatch):
+    """On a GPU the forward runs beside the drafts made ahead: they stop once an event
+    recorded on its stream after the launch completes. On vLLM-CPU they are made in full."""
+    from unittest import mock
+
+    import torch
+
+    from vllm_retrieval_spec.contract import Drafter
+    from vllm_retrieval_spec.patches.drafter import after_handover
+
+    recorded = []
+
+    class Event:
+        done = False
+
+        def record(self, stream):
+            recorded.append(stream)
+
+        def query(self):
+            return self.done
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    answers = []
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.has_work_after_handover = True
+    drafter.after_handover.side_effect = lambda forward_done: answers.append(forward_done())
+    forward = after_handover(lambda runner: "launched")
+    runner = SimpleNamespace(drafter=drafter, device=torch.device("cuda", 1))
+    assert forward(runner) == "launched"
+    Event.done = True
+    assert forward(runner) == "launched"
+    assert recorded == ["stream of cuda:1"] * 2 and answers == [False, True]
+    copy = after_handover(lambda runner: None)
+    assert copy(SimpleNamespace(drafter=drafter, device=torch.device("cpu"))) is None
+    assert recorded == ["stream of cuda:1"] * 2 and answers == [False, True, False]

@@ -85,7 +85,7 @@ class TreeOracleProposer(Drafter):
 
     has_work_after_handover = False
 
-    def after_handover(self):
+    def after_handover(self, forward_done=lambda: False):
         raise AssertionError("no work after the handover")
 
     def report_failure(self, kind, what, exc_info=False):

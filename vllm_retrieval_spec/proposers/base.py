@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,11 +272,11 @@ class RetrievalProposer(Drafter):
     def has_work_after_handover(self) -> bool:
         return self._pending or bool(self.ahead.handed)
 
-    def after_handover(self) -> None:
+    def after_handover(self, forward_done: Callable[[], bool] = lambda: False) -> None:
         """The bookkeeping ``propose`` left for later, then the next step's possible drafts for
-        the requests drafted for this step (``drafting.overlap``)."""
+        the requests drafted for this step (``drafting.overlap``), until ``forward_done``."""
         self.settle()
-        self.ahead.precompute_next(self._tree_row, self.failures.record)
+        self.ahead.precompute_next(self._tree_row, self.failures.record, forward_done)
 
     def settle(self) -> None:
         """The bookkeeping of the last ``propose``, off the critical path: the method's own,
