@@ -257,7 +257,7 @@ def test_supported_backends_are_accepted(backend):
 
 
 def test_start_up_refusal_names_the_layer_and_the_fix():
-    from vllm_retrieval_spec.verification.cuda import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
 
     backend = types.SimpleNamespace(get_name=lambda: "FLASHINFER")
     runner = types.SimpleNamespace(
@@ -269,7 +269,7 @@ def test_start_up_refusal_names_the_layer_and_the_fix():
                                             layer_names=["model.layers.0.self_attn.attn"])]])
     with pytest.raises(ConfigError, match=r"FLASHINFER .*\(layer model.layers.0.self_attn.attn\)"
                                           r"; set \"tree\": \"off\""):
-        refuse_unsupported_trees(runner)
+        refuse_unsupported_trees(runner, tree_refusal)
 
 
 @pytest.mark.parametrize("mode, expected", [(None, "PIECEWISE"), ("PIECEWISE", "PIECEWISE"),

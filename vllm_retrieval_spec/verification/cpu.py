@@ -7,7 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_retrieval_spec.verification.core import TreeRow, TreeStep, TreeVerifier
+from vllm_retrieval_spec.verification.core import (
+    TreeRow, TreeStep, TreeVerifier, attention_refusal, refuse_unsupported_trees)
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,26 @@ class PagedKV:
 
 
 
-def cpu_tree_verifier(kv_cache: Any, head_size: int, kv_cache_dtype: str) -> TreeVerifier | None:
+def tree_refusal(backend: str, impl: Any, kv_cache_dtype: str, use_mla: bool,
+                 uses_mrope: bool) -> str | None:
+    """Why trees cannot be verified with this attention layer on vLLM-CPU, or None. A KV cache
+    this code cannot read (``kv_cache_dtype`` included) is no refusal:
+    ``layout_checked_verifier`` finds it and drafts stay chains."""
+    if backend != "CPU_ATTN":
+        return f"attention backend {backend} cannot attend tree rows on vLLM-CPU"
+    return attention_refusal(impl, use_mla, uses_mrope)
+
+
+def cpu_tree_verifier(runner: Any) -> TreeVerifier | None:
+    """A verifier for the runner's vLLM-CPU attention; ``ConfigError`` where a layer's
+    attention is not what tree rows are attended with (``tree_refusal``)."""
+    refuse_unsupported_trees(runner, tree_refusal)
+    return layout_checked_verifier(runner.kv_caches[0], runner.model_config.get_head_size(),
+                                   runner.cache_config.cache_dtype)
+
+
+def layout_checked_verifier(kv_cache: Any, head_size: int,
+                            kv_cache_dtype: str) -> TreeVerifier | None:
     """A verifier for vLLM-CPU's KV cache, or None (logged) where its layout is not the one
     this code reads."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa

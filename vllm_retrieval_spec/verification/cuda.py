@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_retrieval_spec.config import ConfigError
-from vllm_retrieval_spec.verification.core import TreeRow, TreeStep, TreeVerifier
+from vllm_retrieval_spec.verification.core import (
+    TreeRow, TreeStep, TreeVerifier, attention_refusal, refuse_unsupported_trees)
 
 #: The backends whose tree rows the paged kernel can recompute: their cache layout is the
 #: kernel's, and they attend the rows it overwrites causally like any others.
@@ -28,51 +28,22 @@ MAX_HEAD_SIZE = 256
 
 def tree_refusal(backend: str, impl: Any, kv_cache_dtype: str, use_mla: bool,
                  uses_mrope: bool) -> str | None:
-    """Why trees cannot be verified with this attention layer, or None. ``impl`` is the
-    layer's attention implementation (its ``sliding_window``, ``logits_soft_cap``, ``sinks``,
-    ``alibi_slopes``, ``kv_sharing_target_layer_name``, ``head_size``)."""
-    if use_mla:
-        return "multi-head latent attention (MLA) keeps a compressed cache the kernel cannot read"
-    if uses_mrope:
-        return ("M-RoPE positions are 3-D; a tree node's position is its depth, which they "
-                "cannot express")
+    """Why trees cannot be verified with this attention layer, or None: what no backend
+    supports (``core.attention_refusal``), then what the paged kernel lacks. ``impl`` is the
+    layer's attention implementation."""
+    reason = attention_refusal(impl, use_mla, uses_mrope)
+    if reason is not None:
+        return reason
     if backend not in TREE_BACKENDS:
         return (f"attention backend {backend} cannot attend tree rows; start vLLM with "
                 f"--attention-backend {TREE_BACKENDS[1]} (or {TREE_BACKENDS[0]})")
     if kv_cache_dtype != "auto":
         return f"KV cache dtype {kv_cache_dtype!r}: the kernel reads unquantized caches only"
-    window = getattr(impl, "sliding_window", None)
-    if window not in (None, (-1, -1)):
-        return "sliding-window attention"
-    if getattr(impl, "logits_soft_cap", None):
-        return "attention logit soft-capping"
-    if getattr(impl, "sinks", None) is not None:
-        return "attention sinks"
-    if getattr(impl, "alibi_slopes", None) is not None:
-        return "ALiBi"
-    if getattr(impl, "kv_sharing_target_layer_name", None) is not None:
-        # Such a layer gets no key and value of its own to attend the tree rows with.
-        return "a layer that shares another layer's KV cache"
     head_size = getattr(impl, "head_size", 0)
     if head_size > MAX_HEAD_SIZE:
         return (f"head size {head_size}: the kernel's tiles would need more shared memory than "
                 f"a GPU has above {MAX_HEAD_SIZE}")
     return None
-
-
-def refuse_unsupported_trees(runner: Any) -> None:
-    """Raise ``ConfigError`` naming the first attention layer trees cannot be verified with
-    and the fix (``tree: off`` always is one)."""
-    model_config = runner.model_config
-    layers = runner.compilation_config.static_forward_context
-    for group in (g for groups in runner.attn_groups for g in groups):
-        for name in group.layer_names:
-            reason = tree_refusal(group.backend.get_name(), layers[name].impl,
-                                  runner.cache_config.cache_dtype, model_config.use_mla,
-                                  model_config.uses_mrope)
-            if reason is not None:
-                raise ConfigError(f"tree drafts cannot be verified here: {reason} (layer "
-                                  f"{name}); set \"tree\": \"off\" in the speculative config")
 
 
 class CudaPagedKV:
@@ -120,5 +91,5 @@ class CudaPagedKV:
 def cuda_tree_verifier(runner: Any) -> TreeVerifier:
     """A verifier for the runner's FLASH_ATTN or TRITON_ATTN layers; ``ConfigError`` where
     trees cannot be verified (``tree_refusal``)."""
-    refuse_unsupported_trees(runner)
+    refuse_unsupported_trees(runner, tree_refusal)
     return TreeVerifier(CudaPagedKV(runner.model_config.get_head_size(), runner.device))
