@@ -254,3 +254,37 @@ def test_drafts_are_made_ahead_until_the_forward_launched_on_a_gpu_is_done(monke
     copy = after_handover(lambda runner: None)
     assert copy(SimpleNamespace(drafter=drafter, device=torch.device("cpu"))) is None
     assert recorded == ["stream of cuda:1"] * 2 and answers == [False, True, False]
+
+
+def test_a_drafter_hook_that_raises_costs_drafts_not_the_engine():
+    """Every hook the plugin runs for our drafter around vLLM's step: a failure is reported
+    (counted, logged once) and the step goes on (before: observe_batch, the hidden states and
+    the work after the hand-over raised into vLLM's step)."""
+    from unittest import mock
+
+    import torch
+
+    from vllm_retrieval_spec.contract import Capabilities, Drafter
+    from vllm_retrieval_spec.patches.drafter import (
+        after_handover, timed_with_hidden_states, with_drafts_before_sampling)
+
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.capabilities = Capabilities(aux_hidden_state_layers=(1,))
+    drafter.has_work_after_handover = True
+    for hook in ("observe_batch", "record_hidden_states", "after_handover"):
+        getattr(drafter, hook).side_effect = RuntimeError(hook)
+    runner = SimpleNamespace(
+        drafter=drafter, requests={}, device=torch.device("cpu"),
+        input_batch=SimpleNamespace(req_ids=["a"], num_computed_tokens_cpu=[0]))
+    sample = with_drafts_before_sampling(lambda runner, logits, metadata: "sampled")
+    assert sample(runner, None, None) == "sampled"
+    propose = timed_with_hidden_states(lambda runner, *args: [[1]])
+    scheduler_output = SimpleNamespace(num_scheduled_tokens={"a": 1},
+                                       scheduled_spec_decode_tokens={})
+    assert propose(runner, scheduler_output, [[5]], None, None, None, [torch.zeros(1, 2)],
+                   None) == [[1]]
+    assert after_handover(lambda runner: None)(runner) is None
+    assert [c.args[:2] for c in drafter.report_failure.call_args_list] == [
+        ("exception", "could not observe the batch or draft before sampling"),
+        ("exception", "could not take hidden states"),
+        ("exception", "could not finish the step's drafting")]

@@ -89,6 +89,25 @@ def test_a_failing_draft_costs_one_request_one_step(datastore, caplog):
     assert f"returned token ids outside [0, {VOCAB})" in errors[2]
 
 
+def test_a_failing_step_costs_its_drafts_not_the_engine(datastore):
+    """A method whose step bookkeeping raises (before: out of propose, into vLLM's step)."""
+
+    class FailingOnce(Scripted):
+        def observe_sampled(self, step):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("bookkeeping")
+
+    method = FailingOnce([[7, 8, 9], [7, 8, 9]])
+    method.failed = False
+    proposer = helpers.proposer(
+        {"method": "rest", "num_speculative_tokens": 3, "datastore": datastore}, method=method)
+    tokens, lengths = batch([1, 2])
+    assert proposer.propose([[2]], lengths, tokens) == [[]]
+    assert proposer.stats()["failed_exception"] == 1
+    assert proposer.propose([[2]], lengths, tokens) == [[7, 8, 9]]
+
+
 def test_rest_drafts_trees_for_the_rows_vllm_verifies_as_trees(datastore):
     # "1 2 3" is followed by "4 5 6 7" (then the end, or 0) twice and by "9" once.
     proposer = rest(datastore, num_speculative_tokens=6, min_prefix_prob=0.5, tree="on",

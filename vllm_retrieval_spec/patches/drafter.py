@@ -4,10 +4,11 @@ are handed over, the drafter closed at shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm_retrieval_spec.contract import Drafter
@@ -19,6 +20,16 @@ def drafter_of(runner: Any) -> Drafter | None:
     """The runner's drafter where it is ours (vLLM's own drafters are only timed)."""
     drafter = runner.__dict__.get("drafter")
     return drafter if isinstance(drafter, Drafter) else None
+
+
+@contextlib.contextmanager
+def _failures_reported(drafter: Drafter, what: str) -> Iterator[None]:
+    """A hook of our drafter's that raises costs drafts (``report_failure``: counted, logged
+    once), never the engine, as a failed draft does."""
+    try:
+        yield
+    except Exception:
+        drafter.report_failure("exception", what, exc_info=True)
 
 
 def _drafting_timer(runner: Any) -> Any:
@@ -59,7 +70,9 @@ def with_drafts_before_sampling(sample: Callable) -> Callable:
     def wrapper(self, logits, spec_decode_metadata):
         drafter = drafter_of(self)
         if drafter is not None:
-            _before_sampling(self, drafter, logits, spec_decode_metadata)
+            with _failures_reported(drafter, "could not observe the batch or draft before "
+                                             "sampling"):
+                _before_sampling(self, drafter, logits, spec_decode_metadata)
         return sample(self, logits, spec_decode_metadata)
 
     return wrapper
@@ -115,8 +128,10 @@ def timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         start = time.perf_counter_ns()
         drafter = drafter_of(self)
         if drafter is not None:
-            _hand_hidden_states(self, drafter, scheduler_output, sampled_token_ids,
-                                sample_hidden_states, aux_hidden_states, spec_decode_metadata)
+            with _failures_reported(drafter, "could not take hidden states"):
+                _hand_hidden_states(self, drafter, scheduler_output, sampled_token_ids,
+                                    sample_hidden_states, aux_hidden_states,
+                                    spec_decode_metadata)
         drafts = propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                          sampling_metadata, hidden_states, sample_hidden_states,
                                          aux_hidden_states, spec_decode_metadata, *args, **kwargs)
@@ -166,7 +181,8 @@ def after_handover(method: Callable) -> Callable:
         drafter = drafter_of(self)
         if drafter is not None and drafter.has_work_after_handover:
             start = time.perf_counter_ns()
-            drafter.after_handover(_work_done_event(self.device).query)
+            with _failures_reported(drafter, "could not finish the step's drafting"):
+                drafter.after_handover(_work_done_event(self.device).query)
             timer = _drafting_timer(self)
             timer.add_after(time.perf_counter_ns() - start)
             drafter.observe_drafting_time(None, timer.last_total_ns() / 1e9)
@@ -223,7 +239,7 @@ def telling_finished_requests(update_states: Callable) -> Callable:
     def wrapper(self, scheduler_output):
         drafter = drafter_of(self)
         if drafter is not None and scheduler_output.finished_req_ids:
-            try:
+            with _failures_reported(drafter, "could not take finished requests"):
                 # Their rows are still in the batch (update_states removes them): every token
                 # sampled, those of steps with no propose included.
                 batch = self.input_batch
@@ -231,9 +247,6 @@ def telling_finished_requests(update_states: Callable) -> Callable:
                 drafter.observe_finished(scheduler_output.finished_req_ids, {
                     r: batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
                     for r, i in rows.items() if i is not None})
-            except Exception:
-                drafter.report_failure("exception", "could not take finished requests",
-                                       exc_info=True)
         return update_states(self, scheduler_output)
 
     return wrapper
@@ -256,11 +269,9 @@ def searching_ahead_after(model_forward: Callable) -> Callable:
 
             if isinstance(output, torch.Tensor):  # not a pipeline stage's intermediate tensors
                 start = time.perf_counter_ns()
-                try:
+                # Failed, it is searched after sampling instead.
+                with _failures_reported(drafter, "could not search ahead"):
                     drafter.search_ahead(output[logits_indices])
-                except Exception:
-                    # Searched after sampling instead: the engine goes on.
-                    drafter.report_failure("exception", "could not search ahead", exc_info=True)
                 _drafting_timer(self).add_before(time.perf_counter_ns() - start)
         return output
 

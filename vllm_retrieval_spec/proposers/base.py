@@ -175,6 +175,17 @@ class RetrievalProposer(Drafter):
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception:
+            # Each draft is guarded on its own (DraftGuard); this is the step's bookkeeping
+            # around them, which must cost the step's drafts at most, never the engine.
+            self.failures.record("exception", "raised while proposing", exc_info=True)
+            self.trees = {}
+            return [[] for _ in sampled_token_ids]
+
+    def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                 token_ids_cpu: np.ndarray) -> list[list[int]]:
         # Everything here is on the critical path, right after a forward that left the caches
         # cold (drafting.overlap): counters, acceptance updates and step times wait for
         # after_handover, called once the drafts are handed over.
