@@ -192,12 +192,13 @@ def cpu_attention(**changes):
                               **changes})
 
 
-def cpu_runner(layer, backend_name="CPU_ATTN"):
+def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None):
     """What ``refuse_unsupported_trees`` reads of a vLLM-CPU runner with one layer."""
     from types import SimpleNamespace
 
     backend = SimpleNamespace(get_name=lambda: backend_name)
     return SimpleNamespace(
+        vllm_config=SimpleNamespace(kv_transfer_config=kv_transfer_config),
         model_config=SimpleNamespace(use_mla=False, uses_mrope=False),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(static_forward_context={
@@ -240,6 +241,19 @@ def test_a_layer_that_is_not_attention_is_refused_by_its_backend():
     # A Mamba mixer: no attention implementation at all.
     with pytest.raises(ConfigError, match="attention backend MAMBA2_ATTN cannot attend tree rows"):
         refuse_unsupported_trees(cpu_runner(SimpleNamespace(), "MAMBA2_ATTN"), tree_refusal)
+
+
+def test_trees_with_a_kv_connector_are_refused():
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    with pytest.raises(ConfigError, match=r"with a KV connector \(kv_transfer_config\); set "
+                                          r"\"tree\": \"off\""):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
+                                            kv_transfer_config=SimpleNamespace()), tree_refusal)
 
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():

@@ -162,6 +162,12 @@ def refuse_unsupported_trees(runner: Any,
     gives a reason, and the fix (``tree: off`` always is one)."""
     from vllm_retrieval_spec.config import ConfigError
 
+    if runner.vllm_config.kv_transfer_config is not None:
+        # A connector saves a step's KV as the forward wrote it: for an accepted path off the
+        # chain, before its entries are moved to their positions.
+        raise ConfigError("tree drafts cannot be verified with a KV connector "
+                          "(kv_transfer_config); set \"tree\": \"off\" in the speculative "
+                          "config")
     model_config = runner.model_config
     layers = runner.compilation_config.static_forward_context
     for group in (g for groups in runner.attn_groups for g in groups):
