@@ -261,7 +261,9 @@ def test_start_up_refusal_names_the_layer_and_the_fix():
 
     backend = types.SimpleNamespace(get_name=lambda: "FLASHINFER")
     runner = types.SimpleNamespace(
-        vllm_config=types.SimpleNamespace(kv_transfer_config=None),
+        vllm_config=types.SimpleNamespace(
+            kv_transfer_config=None,
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=1)),
         model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False),
         cache_config=types.SimpleNamespace(cache_dtype="auto"),
         compilation_config=types.SimpleNamespace(static_forward_context={

@@ -192,13 +192,16 @@ def cpu_attention(**changes):
                               **changes})
 
 
-def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None):
-    """What ``refuse_unsupported_trees`` reads of a vLLM-CPU runner with one layer."""
+def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None, **parallel):
+    """What ``refuse_unsupported_trees`` reads of a vLLM-CPU runner with one layer;
+    ``parallel``: changes to a single process's parallel config."""
     from types import SimpleNamespace
 
     backend = SimpleNamespace(get_name=lambda: backend_name)
+    parallel_config = SimpleNamespace(**{"pipeline_parallel_size": 1, **parallel})
     return SimpleNamespace(
-        vllm_config=SimpleNamespace(kv_transfer_config=kv_transfer_config),
+        vllm_config=SimpleNamespace(kv_transfer_config=kv_transfer_config,
+                                    parallel_config=parallel_config),
         model_config=SimpleNamespace(use_mla=False, uses_mrope=False),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(static_forward_context={
@@ -254,6 +257,21 @@ def test_trees_with_a_kv_connector_are_refused():
                                           r"\"tree\": \"off\""):
         refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
                                             kv_transfer_config=SimpleNamespace()), tree_refusal)
+
+
+def test_trees_with_pipeline_parallelism_are_refused():
+    # Only the last stage has the drafter, and so a tree verifier: the earlier stages' layers
+    # would attend tree nodes causally at sequential positions, and keep their KV unmoved.
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    with pytest.raises(ConfigError, match=r"pipeline parallelism \(pipeline_parallel_size 2\); "
+                                          r"set \"tree\": \"off\""):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
+                                            pipeline_parallel_size=2), tree_refusal)
 
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():

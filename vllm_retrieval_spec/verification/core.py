@@ -168,6 +168,13 @@ def refuse_unsupported_trees(runner: Any,
         raise ConfigError("tree drafts cannot be verified with a KV connector "
                           "(kv_transfer_config); set \"tree\": \"off\" in the speculative "
                           "config")
+    parallel = runner.vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        # vLLM gives only the last stage the drafter, and so a tree verifier: the earlier
+        # stages' layers would attend tree nodes causally at sequential positions.
+        raise ConfigError(f"tree drafts cannot be verified with pipeline parallelism "
+                          f"(pipeline_parallel_size {parallel.pipeline_parallel_size}); set "
+                          f"\"tree\": \"off\" in the speculative config")
     model_config = runner.model_config
     layers = runner.compilation_config.static_forward_context
     for group in (g for groups in runner.attn_groups for g in groups):
