@@ -275,6 +275,36 @@ def test_start_up_refusal_names_the_layer_and_the_fix():
         refuse_unsupported_trees(runner, tree_refusal)
 
 
+def test_full_cuda_graphs_vllm_chose_after_ours_are_refused_at_start_up():
+    # vLLM resolves the mode after our start-up patch set it: attention+quant fusion turns
+    # PIECEWISE into FULL (so would an encoder-decoder model into FULL_DECODE_ONLY), whose
+    # replays skip the wrapper, and the first tree step would stop the engine.
+    from vllm.config.compilation import CompilationConfig, CompilationMode, PassConfig
+
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
+    from vllm_retrieval_spec.verification.cuda import cuda_tree_verifier
+
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                               pass_config=PassConfig(fuse_attn_quant=True))
+    piecewise_cuda_graphs_for_trees(config)
+    config.set_splitting_ops_for_v1("allgather_reducescatter")
+    assert config.cudagraph_mode.name == "FULL"
+    name = "model.layers.0.self_attn.attn"
+    config.static_forward_context[name] = types.SimpleNamespace(impl=impl())
+    runner = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(
+            kv_transfer_config=None,
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=1)),
+        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False,
+                                           get_head_size=lambda: 128),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"), compilation_config=config,
+        attn_groups=[[types.SimpleNamespace(
+            backend=types.SimpleNamespace(get_name=lambda: "FLASH_ATTN"), layer_names=[name])]],
+        device="cpu")
+    with pytest.raises(ConfigError, match="cudagraph_mode FULL replays attention"):
+        cuda_tree_verifier(runner)
+
+
 @pytest.mark.parametrize("mode, expected", [(None, "PIECEWISE"), ("PIECEWISE", "PIECEWISE"),
                                             ("NONE", "NONE")])
 def test_trees_keep_cuda_graphs_piecewise(mode, expected):

@@ -90,6 +90,17 @@ class CudaPagedKV:
 
 def cuda_tree_verifier(runner: Any) -> TreeVerifier:
     """A verifier for the runner's FLASH_ATTN or TRITON_ATTN layers; ``ConfigError`` where
-    trees cannot be verified (``tree_refusal``)."""
+    trees cannot be verified (``tree_refusal``, or CUDA graphs that capture attention)."""
+    from vllm_retrieval_spec.config import ConfigError
+
+    mode = runner.compilation_config.cudagraph_mode
+    if mode.has_full_cudagraphs():
+        # ``patches.engine_args`` made the mode PIECEWISE, but vLLM resolves it later and may
+        # make it full (attention+quant fusion, encoder-decoder models): a full graph's replay
+        # skips the wrapper that attends the tree rows.
+        raise ConfigError(f"tree drafts need attention outside CUDA graphs, and cudagraph_mode "
+                          f"{mode.name} replays attention inside them: use "
+                          f"-cc.cudagraph_mode=PIECEWISE without fusing attention "
+                          f"(-cc.pass_config.fuse_attn_quant=False), or set \"tree\": \"off\"")
     refuse_unsupported_trees(runner, tree_refusal)
     return TreeVerifier(CudaPagedKV(runner.model_config.get_head_size(), runner.device))
