@@ -198,7 +198,8 @@ def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None, **parall
     from types import SimpleNamespace
 
     backend = SimpleNamespace(get_name=lambda: backend_name)
-    parallel_config = SimpleNamespace(**{"pipeline_parallel_size": 1, **parallel})
+    parallel_config = SimpleNamespace(**{"pipeline_parallel_size": 1,
+                                         "decode_context_parallel_size": 1, **parallel})
     return SimpleNamespace(
         vllm_config=SimpleNamespace(kv_transfer_config=kv_transfer_config,
                                     parallel_config=parallel_config),
@@ -272,6 +273,21 @@ def test_trees_with_pipeline_parallelism_are_refused():
                                           r"set \"tree\": \"off\""):
         refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
                                             pipeline_parallel_size=2), tree_refusal)
+
+
+def test_trees_with_decode_context_parallelism_are_refused():
+    # Each rank's cache holds every n-th context token (vLLM's get_dcp_local_seq_lens): the
+    # tree rows' context and the path's slots are not where this rank's cache has them.
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    with pytest.raises(ConfigError, match=r"decode context parallelism "
+                                          r"\(decode_context_parallel_size 2\)"):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
+                                            decode_context_parallel_size=2), tree_refusal)
 
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():

@@ -175,6 +175,13 @@ def refuse_unsupported_trees(runner: Any,
         raise ConfigError(f"tree drafts cannot be verified with pipeline parallelism "
                           f"(pipeline_parallel_size {parallel.pipeline_parallel_size}); set "
                           f"\"tree\": \"off\" in the speculative config")
+    if parallel.decode_context_parallel_size > 1:
+        # Each rank's cache holds every n-th context token: the tree rows' context and the
+        # accepted path's slots are not where this rank's cache has them.
+        raise ConfigError(f"tree drafts cannot be verified with decode context parallelism "
+                          f"(decode_context_parallel_size "
+                          f"{parallel.decode_context_parallel_size}); set \"tree\": \"off\" in "
+                          f"the speculative config")
     model_config = runner.model_config
     layers = runner.compilation_config.static_forward_context
     for group in (g for groups in runner.attn_groups for g in groups):
