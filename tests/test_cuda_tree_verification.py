@@ -264,7 +264,8 @@ def test_start_up_refusal_names_the_layer_and_the_fix():
         vllm_config=types.SimpleNamespace(
             kv_transfer_config=None,
             parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
-                                                  decode_context_parallel_size=1)),
+                                                  decode_context_parallel_size=1,
+                                                  use_ubatching=False)),
         model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False),
         cache_config=types.SimpleNamespace(cache_dtype="auto"),
         compilation_config=types.SimpleNamespace(static_forward_context={
@@ -296,7 +297,8 @@ def test_full_cuda_graphs_vllm_chose_after_ours_are_refused_at_start_up():
         vllm_config=types.SimpleNamespace(
             kv_transfer_config=None,
             parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
-                                                  decode_context_parallel_size=1)),
+                                                  decode_context_parallel_size=1,
+                                                  use_ubatching=False)),
         model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False,
                                            get_head_size=lambda: 128),
         cache_config=types.SimpleNamespace(cache_dtype="auto"), compilation_config=config,

@@ -199,7 +199,8 @@ def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None, **parall
 
     backend = SimpleNamespace(get_name=lambda: backend_name)
     parallel_config = SimpleNamespace(**{"pipeline_parallel_size": 1,
-                                         "decode_context_parallel_size": 1, **parallel})
+                                         "decode_context_parallel_size": 1,
+                                         "use_ubatching": False, **parallel})
     return SimpleNamespace(
         vllm_config=SimpleNamespace(kv_transfer_config=kv_transfer_config,
                                     parallel_config=parallel_config),
@@ -288,6 +289,20 @@ def test_trees_with_decode_context_parallelism_are_refused():
                                           r"\(decode_context_parallel_size 2\)"):
         refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
                                             decode_context_parallel_size=2), tree_refusal)
+
+
+def test_trees_with_microbatching_are_refused():
+    # A microbatched step (--enable-dbo) runs each layer's attention once per microbatch, with
+    # metadata for part of the step: the tree rows were never attended, and the step failed.
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    with pytest.raises(ConfigError, match=r"microbatches \(--enable-dbo, ubatch_size\)"):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
+                                            use_ubatching=True), tree_refusal)
 
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():

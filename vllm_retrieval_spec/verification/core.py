@@ -182,6 +182,12 @@ def refuse_unsupported_trees(runner: Any,
                           f"(decode_context_parallel_size "
                           f"{parallel.decode_context_parallel_size}); set \"tree\": \"off\" in "
                           f"the speculative config")
+    if parallel.use_ubatching:
+        # A microbatched step runs each layer's attention once per microbatch, with metadata
+        # for part of the step: ``TreeVerifier.attend`` finds no tree rows there.
+        raise ConfigError("tree drafts cannot be verified in microbatches (--enable-dbo, "
+                          "ubatch_size): turn microbatching off, or set \"tree\": \"off\" in "
+                          "the speculative config")
     model_config = runner.model_config
     layers = runner.compilation_config.static_forward_context
     for group in (g for groups in runner.attn_groups for g in groups):
