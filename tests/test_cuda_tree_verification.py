@@ -227,6 +227,7 @@ def impl(**changes):
     return types.SimpleNamespace(**{"sliding_window": (-1, -1), "logits_soft_cap": 0,
                                     "sinks": None, "alibi_slopes": None,
                                     "kv_sharing_target_layer_name": None, "head_size": 128,
+                                    "attn_type": "decoder",
                                     **changes})
 
 
@@ -243,6 +244,8 @@ def impl(**changes):
     (("FLASH_ATTN", impl(), "auto", False, True), "M-RoPE"),
     (("FLASH_ATTN", impl(kv_sharing_target_layer_name="model.layers.3.self_attn.attn"), "auto",
       False, False), "a layer that shares another layer's KV cache"),
+    (("FLASH_ATTN", impl(attn_type="encoder_decoder"), "auto", False, False),
+     "encoder_decoder attention"),
     (("TRITON_ATTN", impl(head_size=512), "auto", False, False),
      "head size 512: the kernel's tiles would need more shared memory than a GPU has above 256"),
 ])

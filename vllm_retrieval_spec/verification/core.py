@@ -131,14 +131,21 @@ def path_moves(path: list[int]) -> list[tuple[int, int]]:
 def attention_refusal(impl: Any, use_mla: bool, uses_mrope: bool) -> str | None:
     """Why no backend's tree rows can be attended again for this attention layer, or None: the
     rows are recomputed over the whole context with plain softmax attention, at depth positions
-    in ``positions``. ``impl`` is the layer's attention implementation (its ``sliding_window``,
-    ``logits_soft_cap``, ``sinks``, ``alibi_slopes``, ``kv_sharing_target_layer_name``)."""
+    in ``positions``. ``impl`` is the layer's attention implementation (its ``attn_type``,
+    ``sliding_window``, ``logits_soft_cap``, ``sinks``, ``alibi_slopes``,
+    ``kv_sharing_target_layer_name``)."""
     if use_mla:
         return ("multi-head latent attention (MLA) keeps a compressed cache tree attention "
                 "cannot read")
     if uses_mrope:
         return ("M-RoPE positions are 3-D; a tree node's position is its depth, which they "
                 "cannot express")
+    attn_type = getattr(impl, "attn_type", "decoder")
+    if attn_type != "decoder":
+        # Cross-attention (encoder-decoder models) or encoder attention attends no earlier
+        # decoder tokens: recomputing its tree rows over its cache, and moving its entries,
+        # would overwrite what it computed and the encoder's keys and values.
+        return f"{getattr(attn_type, 'value', attn_type)} attention (an encoder's)"
     # No window: None, -1 (vLLM-CPU) or (-1, -1) (FLASH_ATTN, TRITON_ATTN).
     if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
         return "sliding-window attention"
