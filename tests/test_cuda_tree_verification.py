@@ -269,7 +269,7 @@ def test_start_up_refusal_names_the_layer_and_the_fix():
             parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
                                                   decode_context_parallel_size=1,
                                                   use_ubatching=False)),
-        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False),
+        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False, rswa_window=None),
         cache_config=types.SimpleNamespace(cache_dtype="auto"),
         compilation_config=types.SimpleNamespace(static_forward_context={
             "model.layers.0.self_attn.attn": types.SimpleNamespace(impl=impl())}),
@@ -302,7 +302,7 @@ def test_full_cuda_graphs_vllm_chose_after_ours_are_refused_at_start_up():
             parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
                                                   decode_context_parallel_size=1,
                                                   use_ubatching=False)),
-        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False,
+        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False, rswa_window=None,
                                            get_head_size=lambda: 128),
         cache_config=types.SimpleNamespace(cache_dtype="auto"), compilation_config=config,
         attn_groups=[[types.SimpleNamespace(

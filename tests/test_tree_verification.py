@@ -192,7 +192,8 @@ def cpu_attention(**changes):
                               **changes})
 
 
-def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None, **parallel):
+def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None, rswa_window=None,
+               **parallel):
     """What ``refuse_unsupported_trees`` reads of a vLLM-CPU runner with one layer;
     ``parallel``: changes to a single process's parallel config."""
     from types import SimpleNamespace
@@ -204,7 +205,7 @@ def cpu_runner(layer, backend_name="CPU_ATTN", kv_transfer_config=None, **parall
     return SimpleNamespace(
         vllm_config=SimpleNamespace(kv_transfer_config=kv_transfer_config,
                                     parallel_config=parallel_config),
-        model_config=SimpleNamespace(use_mla=False, uses_mrope=False),
+        model_config=SimpleNamespace(use_mla=False, uses_mrope=False, rswa_window=rswa_window),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(static_forward_context={
             "model.layers.0.self_attn.attn": layer}),
@@ -303,6 +304,21 @@ def test_trees_with_microbatching_are_refused():
     with pytest.raises(ConfigError, match=r"microbatches \(--enable-dbo, ubatch_size\)"):
         refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
                                             use_ubatching=True), tree_refusal)
+
+
+def test_trees_with_reference_sliding_window_attention_are_refused():
+    # R-SWA layers have no sliding window of their own: the backend masks by the metadata's
+    # window, and vLLM frees the context blocks between the prompt and the window.
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    with pytest.raises(ConfigError, match=r"reference sliding-window attention \(rswa_window "
+                                          r"128\); set \"tree\": \"off\""):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
+                                            rswa_window=128), tree_refusal)
 
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():

@@ -196,6 +196,12 @@ def refuse_unsupported_trees(runner: Any,
                           "ubatch_size): turn microbatching off, or set \"tree\": \"off\" in "
                           "the speculative config")
     model_config = runner.model_config
+    if model_config.rswa_window is not None:
+        # Its layers have no window of their own: the backend masks by the metadata's, and
+        # vLLM frees the context blocks between the prompt and the window.
+        raise ConfigError(f"tree drafts cannot be verified with reference sliding-window "
+                          f"attention (rswa_window {model_config.rswa_window}); set \"tree\": "
+                          f"\"off\" in the speculative config")
     layers = runner.compilation_config.static_forward_context
     for group in (g for groups in runner.attn_groups for g in groups):
         for name in group.layer_names:
