@@ -280,23 +280,11 @@ def test_start_up_refusal_names_the_layer_and_the_fix():
         refuse_unsupported_trees(runner, tree_refusal)
 
 
-def test_full_cuda_graphs_vllm_chose_after_ours_are_refused_at_start_up():
-    # vLLM resolves the mode after our start-up patch set it: attention+quant fusion turns
-    # PIECEWISE into FULL (so would an encoder-decoder model into FULL_DECODE_ONLY), whose
-    # replays skip the wrapper, and the first tree step would stop the engine.
-    from vllm.config.compilation import CompilationConfig, CompilationMode, PassConfig
-
-    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
-    from vllm_retrieval_spec.verification.cuda import cuda_tree_verifier
-
-    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
-                               pass_config=PassConfig(fuse_attn_quant=True))
-    piecewise_cuda_graphs_for_trees(config)
-    config.set_splitting_ops_for_v1("allgather_reducescatter")
-    assert config.cudagraph_mode.name == "FULL"
+def cuda_runner(compilation_config):
+    """What ``cuda_tree_verifier`` reads of a CUDA runner with one FLASH_ATTN layer."""
     name = "model.layers.0.self_attn.attn"
-    config.static_forward_context[name] = types.SimpleNamespace(impl=impl())
-    runner = types.SimpleNamespace(
+    compilation_config.static_forward_context[name] = types.SimpleNamespace(impl=impl())
+    return types.SimpleNamespace(
         vllm_config=types.SimpleNamespace(
             kv_transfer_config=None,
             parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
@@ -304,12 +292,52 @@ def test_full_cuda_graphs_vllm_chose_after_ours_are_refused_at_start_up():
                                                   use_ubatching=False)),
         model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False, rswa_window=None,
                                            get_head_size=lambda: 128),
-        cache_config=types.SimpleNamespace(cache_dtype="auto"), compilation_config=config,
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        compilation_config=compilation_config,
         attn_groups=[[types.SimpleNamespace(
             backend=types.SimpleNamespace(get_name=lambda: "FLASH_ATTN"), layer_names=[name])]],
         device="cpu")
-    with pytest.raises(ConfigError, match="cudagraph_mode FULL replays attention"):
-        cuda_tree_verifier(runner)
+
+
+def compilation_config_as_vllm_resolves_it(**options):
+    """A compilation config after our engine-args patch, then vLLM's own resolution."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
+
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, **options)
+    piecewise_cuda_graphs_for_trees(config)
+    config.set_splitting_ops_for_v1("allgather_reducescatter")
+    return config
+
+
+def test_full_cuda_graphs_are_refused_at_start_up_by_the_mode_vllm_resolved():
+    # Our engine-args patch never sees a config naming our proposer as vLLM's custom_class,
+    # which keeps vLLM's default mode: its full graphs' replays skip the wrapper, and the
+    # first tree step would stop the engine.
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    from vllm_retrieval_spec.verification.cuda import cuda_tree_verifier
+
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                               cudagraph_mode="FULL_AND_PIECEWISE")
+    config.set_splitting_ops_for_v1("allgather_reducescatter")
+    with pytest.raises(ConfigError, match="cudagraph_mode FULL_AND_PIECEWISE replays attention"):
+        cuda_tree_verifier(cuda_runner(config))
+
+
+def test_attention_fused_with_quantization_is_refused_at_start_up():
+    # With Inductor's graph partition the graphs stay piecewise, and vLLM hands attention an
+    # output scale and an FP8 output: the kernel's rows would be written unscaled into it.
+    from vllm.config.compilation import PassConfig
+
+    from vllm_retrieval_spec.verification.cuda import cuda_tree_verifier
+
+    config = compilation_config_as_vllm_resolves_it(use_inductor_graph_partition=True,
+                                                    pass_config=PassConfig(fuse_attn_quant=True))
+    assert config.cudagraph_mode.name == "PIECEWISE"
+    with pytest.raises(ConfigError, match=r"-cc.pass_config.fuse_attn_quant=False"):
+        cuda_tree_verifier(cuda_runner(config))
 
 
 @pytest.mark.parametrize("mode, expected", [(None, "PIECEWISE"), ("PIECEWISE", "PIECEWISE"),

@@ -93,14 +93,20 @@ def cuda_tree_verifier(runner: Any) -> TreeVerifier:
     trees cannot be verified (``tree_refusal``, or CUDA graphs that capture attention)."""
     from vllm_retrieval_spec.config import ConfigError
 
+    if runner.compilation_config.pass_config.fuse_attn_quant:
+        # vLLM then hands attention an output scale and a quantized output, into which the
+        # kernel's rows would be written unscaled.
+        raise ConfigError("tree drafts cannot be verified with attention fused with its output "
+                          "quantization: pass -cc.pass_config.fuse_attn_quant=False, or set "
+                          "\"tree\": \"off\"")
     mode = runner.compilation_config.cudagraph_mode
     if mode.has_full_cudagraphs():
-        # ``patches.engine_args`` made the mode PIECEWISE, but vLLM resolves it later and may
-        # make it full (attention+quant fusion, encoder-decoder models): a full graph's replay
-        # skips the wrapper that attends the tree rows.
+        # ``patches.engine_args`` makes the mode PIECEWISE, but vLLM resolves it later
+        # (encoder-decoder models, attention+quant fusion), and a config naming our proposer
+        # as vLLM's custom_class never passes there: a full graph's replay skips the wrapper
+        # that attends the tree rows.
         raise ConfigError(f"tree drafts need attention outside CUDA graphs, and cudagraph_mode "
                           f"{mode.name} replays attention inside them: use "
-                          f"-cc.cudagraph_mode=PIECEWISE without fusing attention "
-                          f"(-cc.pass_config.fuse_attn_quant=False), or set \"tree\": \"off\"")
+                          f"-cc.cudagraph_mode=PIECEWISE, or set \"tree\": \"off\"")
     refuse_unsupported_trees(runner, tree_refusal)
     return TreeVerifier(CudaPagedKV(runner.model_config.get_head_size(), runner.device))
