@@ -164,9 +164,12 @@ def attention_refusal(impl: Any, use_mla: bool, uses_mrope: bool) -> str | None:
 def refuse_unsupported_trees(runner: Any,
                              tree_refusal: Callable[[str, Any, str, bool, bool], str | None]
                              ) -> None:
-    """Raise ``ConfigError`` naming the first attention layer of ``runner`` for which
-    ``tree_refusal(backend name, impl, KV cache dtype, use_mla, uses_mrope)`` (the platform's)
-    gives a reason, and the fix (``tree: off`` always is one)."""
+    """Raise ``ConfigError`` where ``runner``'s engine lays a step out otherwise than one
+    forward of every layer over the whole step in this process's cache (a KV connector,
+    pipeline or decode context parallelism, microbatches, reference sliding windows), or
+    naming the first attention layer for which ``tree_refusal(backend name, impl, KV cache
+    dtype, use_mla, uses_mrope)`` (the platform's) gives a reason; with the fix (``tree: off``
+    always is one)."""
     from vllm_retrieval_spec.config import ConfigError
 
     if runner.vllm_config.kv_transfer_config is not None:

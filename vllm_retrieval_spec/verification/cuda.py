@@ -8,7 +8,9 @@ indexing, on the forward's stream. A step's trees go to the device once (``Paged
 and every layer attends all of them in one launch (``kernels/paged_tree_attention.py``).
 
 Trees are refused at start-up (``tree_refusal``) where the kernel would compute something else
-than the backend: another backend, a quantized cache, or an attention feature it lacks.
+than the backend: another backend, a quantized cache, or an attention feature it lacks; and
+(``cuda_tree_verifier``) where the wrapper would not see attention's rows as the backend does:
+full CUDA graphs, or attention fused with its output quantization.
 """
 
 from __future__ import annotations
