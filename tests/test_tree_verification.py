@@ -249,76 +249,36 @@ def test_a_layer_that_is_not_attention_is_refused_by_its_backend():
         refuse_unsupported_trees(cpu_runner(SimpleNamespace(), "MAMBA2_ATTN"), tree_refusal)
 
 
-def test_trees_with_a_kv_connector_are_refused():
-    from types import SimpleNamespace
-
-    from vllm_retrieval_spec.config import ConfigError
-    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
-    from vllm_retrieval_spec.verification.cpu import tree_refusal
-
-    with pytest.raises(ConfigError, match=r"with a KV connector \(kv_transfer_config\); set "
-                                          r"\"tree\": \"off\""):
-        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
-                                            kv_transfer_config=SimpleNamespace()), tree_refusal)
-
-
-def test_trees_with_pipeline_parallelism_are_refused():
+@pytest.mark.parametrize("layout, message", [
+    # A connector saves the KV the forward wrote, before an off-chain path is moved.
+    ({"kv_transfer_config": object()},
+     r"with a KV connector \(kv_transfer_config\); set \"tree\": \"off\""),
     # Only the last stage has the drafter, and so a tree verifier: the earlier stages' layers
     # would attend tree nodes causally at sequential positions, and keep their KV unmoved.
-    from types import SimpleNamespace
-
-    from vllm_retrieval_spec.config import ConfigError
-    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
-    from vllm_retrieval_spec.verification.cpu import tree_refusal
-
-    with pytest.raises(ConfigError, match=r"pipeline parallelism \(pipeline_parallel_size 2\); "
-                                          r"set \"tree\": \"off\""):
-        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
-                                            pipeline_parallel_size=2), tree_refusal)
-
-
-def test_trees_with_decode_context_parallelism_are_refused():
+    ({"pipeline_parallel_size": 2},
+     r"pipeline parallelism \(pipeline_parallel_size 2\); set \"tree\": \"off\""),
     # Each rank's cache holds every n-th context token (vLLM's get_dcp_local_seq_lens): the
     # tree rows' context and the path's slots are not where this rank's cache has them.
-    from types import SimpleNamespace
-
-    from vllm_retrieval_spec.config import ConfigError
-    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
-    from vllm_retrieval_spec.verification.cpu import tree_refusal
-
-    with pytest.raises(ConfigError, match=r"decode context parallelism "
-                                          r"\(decode_context_parallel_size 2\)"):
-        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
-                                            decode_context_parallel_size=2), tree_refusal)
-
-
-def test_trees_with_microbatching_are_refused():
+    ({"decode_context_parallel_size": 2},
+     r"decode context parallelism \(decode_context_parallel_size 2\)"),
     # A microbatched step (--enable-dbo) runs each layer's attention once per microbatch, with
     # metadata for part of the step: the tree rows were never attended, and the step failed.
-    from types import SimpleNamespace
-
-    from vllm_retrieval_spec.config import ConfigError
-    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
-    from vllm_retrieval_spec.verification.cpu import tree_refusal
-
-    with pytest.raises(ConfigError, match=r"microbatches \(--enable-dbo, ubatch_size\)"):
-        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
-                                            use_ubatching=True), tree_refusal)
-
-
-def test_trees_with_reference_sliding_window_attention_are_refused():
+    ({"use_ubatching": True}, r"microbatches \(--enable-dbo, ubatch_size\)"),
     # R-SWA layers have no sliding window of their own: the backend masks by the metadata's
     # window, and vLLM frees the context blocks between the prompt and the window.
+    ({"rswa_window": 128},
+     r"reference sliding-window attention \(rswa_window 128\); set \"tree\": \"off\""),
+])
+def test_engine_layouts_trees_cannot_be_verified_in_are_refused(layout, message):
     from types import SimpleNamespace
 
     from vllm_retrieval_spec.config import ConfigError
     from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
     from vllm_retrieval_spec.verification.cpu import tree_refusal
 
-    with pytest.raises(ConfigError, match=r"reference sliding-window attention \(rswa_window "
-                                          r"128\); set \"tree\": \"off\""):
-        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()),
-                                            rswa_window=128), tree_refusal)
+    with pytest.raises(ConfigError, match=message):
+        refuse_unsupported_trees(cpu_runner(SimpleNamespace(impl=cpu_attention()), **layout),
+                                 tree_refusal)
 
 
 def test_context_blocks_are_read_in_place_when_they_form_a_range():

@@ -161,50 +161,50 @@ def attention_refusal(impl: Any, use_mla: bool, uses_mrope: bool) -> str | None:
     return None
 
 
-def refuse_unsupported_trees(runner: Any,
-                             tree_refusal: Callable[[str, Any, str, bool, bool], str | None]
-                             ) -> None:
-    """Raise ``ConfigError`` where ``runner``'s engine lays a step out otherwise than one
-    forward of every layer over the whole step in this process's cache (a KV connector,
-    pipeline or decode context parallelism, microbatches, reference sliding windows), or
-    naming the first attention layer for which ``tree_refusal(backend name, impl, KV cache
-    dtype, use_mla, uses_mrope)`` (the platform's) gives a reason; with the fix (``tree: off``
-    always is one)."""
-    from vllm_retrieval_spec.config import ConfigError
-
-    if runner.vllm_config.kv_transfer_config is not None:
+def layout_refusal(vllm_config: Any, model_config: Any) -> str | None:
+    """Why trees cannot be verified with this engine's layout of a step, or None: the verifier
+    needs one forward of every layer over the whole step, in this process's cache."""
+    if vllm_config.kv_transfer_config is not None:
         # A connector saves a step's KV as the forward wrote it: for an accepted path off the
         # chain, before its entries are moved to their positions.
-        raise ConfigError("tree drafts cannot be verified with a KV connector "
-                          "(kv_transfer_config); set \"tree\": \"off\" in the speculative "
-                          "config")
-    parallel = runner.vllm_config.parallel_config
+        return "with a KV connector (kv_transfer_config)"
+    parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
         # vLLM gives only the last stage the drafter, and so a tree verifier: the earlier
         # stages' layers would attend tree nodes causally at sequential positions.
-        raise ConfigError(f"tree drafts cannot be verified with pipeline parallelism "
-                          f"(pipeline_parallel_size {parallel.pipeline_parallel_size}); set "
-                          f"\"tree\": \"off\" in the speculative config")
+        return (f"with pipeline parallelism (pipeline_parallel_size "
+                f"{parallel.pipeline_parallel_size})")
     if parallel.decode_context_parallel_size > 1:
         # Each rank's cache holds every n-th context token: the tree rows' context and the
         # accepted path's slots are not where this rank's cache has them.
-        raise ConfigError(f"tree drafts cannot be verified with decode context parallelism "
-                          f"(decode_context_parallel_size "
-                          f"{parallel.decode_context_parallel_size}); set \"tree\": \"off\" in "
-                          f"the speculative config")
+        return (f"with decode context parallelism (decode_context_parallel_size "
+                f"{parallel.decode_context_parallel_size})")
     if parallel.use_ubatching:
         # A microbatched step runs each layer's attention once per microbatch, with metadata
         # for part of the step: ``TreeVerifier.attend`` finds no tree rows there.
-        raise ConfigError("tree drafts cannot be verified in microbatches (--enable-dbo, "
-                          "ubatch_size): turn microbatching off, or set \"tree\": \"off\" in "
-                          "the speculative config")
-    model_config = runner.model_config
+        return "in microbatches (--enable-dbo, ubatch_size)"
     if model_config.rswa_window is not None:
         # Its layers have no window of their own: the backend masks by the metadata's, and
         # vLLM frees the context blocks between the prompt and the window.
-        raise ConfigError(f"tree drafts cannot be verified with reference sliding-window "
-                          f"attention (rswa_window {model_config.rswa_window}); set \"tree\": "
-                          f"\"off\" in the speculative config")
+        return (f"with reference sliding-window attention (rswa_window "
+                f"{model_config.rswa_window})")
+    return None
+
+
+def refuse_unsupported_trees(runner: Any,
+                             tree_refusal: Callable[[str, Any, str, bool, bool], str | None]
+                             ) -> None:
+    """Raise ``ConfigError`` where ``runner``'s engine lays a step out otherwise than the
+    verifier needs (``layout_refusal``), or naming the first attention layer for which
+    ``tree_refusal(backend name, impl, KV cache dtype, use_mla, uses_mrope)`` (the platform's)
+    gives a reason; with the fix (``tree: off`` always is one)."""
+    from vllm_retrieval_spec.config import ConfigError
+
+    fix = "set \"tree\": \"off\" in the speculative config"
+    model_config = runner.model_config
+    reason = layout_refusal(runner.vllm_config, model_config)
+    if reason is not None:
+        raise ConfigError(f"tree drafts cannot be verified {reason}; {fix}")
     layers = runner.compilation_config.static_forward_context
     for group in (g for groups in runner.attn_groups for g in groups):
         for name in group.layer_names:
@@ -215,7 +215,7 @@ def refuse_unsupported_trees(runner: Any,
                                   model_config.uses_mrope)
             if reason is not None:
                 raise ConfigError(f"tree drafts cannot be verified here: {reason} (layer "
-                                  f"{name}); set \"tree\": \"off\" in the speculative config")
+                                  f"{name}); {fix}")
 
 
 def tree_eligible(sampling_params: Any) -> bool:
