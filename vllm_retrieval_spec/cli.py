@@ -154,7 +154,8 @@ def served_purge_command(args: argparse.Namespace) -> None:
     snapshot, removed = purge(args.directory, key=args.key, older_than_hours=args.older_than)
     print("running replicas drop the purged requests within their flush interval (1 s); "
           + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name} "
-             f"(journal segments open or sealed in the last {SETTLE_S:.0f} s: at the fleet's next one)"
+             f"(journal segments open or sealed in the last {SETTLE_S:.0f} s: at the fleet's "
+             "next one)"
              if snapshot is not None else
              "a replica is writing a snapshot: the files lose them at the fleet's next one"))
 

@@ -181,11 +181,17 @@ def run_benchmark(model: str, runs: list[MethodRun], prompts: dict[str, list[lis
     import vllm
 
     return {**results_document(run_name, command, compared_with_plain(results),
-                               model=MODEL_NAME if Path(model).name == MODEL_NAME else model,
+                               model=reported_model(model),
                                vllm=vllm.__version__),
             "plain_outputs": [{"task": task, "prompt": p, "output": o}
                               for task, (_, outputs) in results[0].items()
                               for p, o in zip(prompts[task], outputs)]}
+
+
+def reported_model(model: str) -> str:
+    """``model`` as results name it: the cached SmolLM2's folder by the model's name, any other
+    model as given (docs/results-schema.md)."""
+    return MODEL_NAME if Path(model).name == MODEL_NAME else model
 
 
 def check_memory_for_interleaving(num_engines: int, model: str,
@@ -211,8 +217,8 @@ def check_memory_for_interleaving(num_engines: int, model: str,
 
 
 def _run_engines(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
-                 warmup_prompt: list[int], settings: BenchSettings, progress: Any, groups: list[list[int]]
-                 ) -> list[dict[str, tuple[dict[str, Any], list[list[int]] | None]]]:
+                 warmup_prompt: list[int], settings: BenchSettings, progress: Any,
+                 groups: list[list[int]]) -> list[dict[str, tuple[dict[str, Any], list[list[int]] | None]]]:
     """Each group of runs (indices into ``runs``) with its engines alive at once; each batch of
     prompts goes to every engine of the group in turn, the order rotating from batch to batch.
     On a shared 2-core machine the speed drifts by up to 20% over minutes; run one after

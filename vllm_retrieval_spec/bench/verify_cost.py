@@ -130,7 +130,7 @@ def calibrated_options(rows: list[dict[str, Any]], max_draft_len: int | None = N
 def main(argv: list[str] | None = None) -> None:
     from vllm_retrieval_spec.bench.report import (
         markdown_table, module_command, results_document, write_report)
-    from vllm_retrieval_spec.bench.throughput import MODEL_NAME
+    from vllm_retrieval_spec.bench.throughput import MODEL_NAME, reported_model
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,9 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     import vllm
 
     command = module_command("vllm_retrieval_spec.bench.verify_cost", argv)
-    # The model measured, named as the throughput benchmark names it (docs/results-schema.md).
-    results = results_document(args.run_name, command, rows,
-                               model=MODEL_NAME if Path(model).name == MODEL_NAME else model,
+    results = results_document(args.run_name, command, rows, model=reported_model(model),
                                vllm=vllm.__version__)
     table = markdown_table([("context tokens", "context_tokens"), ("draft tokens", "draft_len"),
                             ("ms per step (median)", "ms_per_step_median"),

@@ -553,8 +553,8 @@ def purge(directory: str | Path, *, key: str | None = None,
     so the requests leave memory within a flush interval. Then, unless a replica is writing a
     snapshot, a snapshot of everything else on disk, and the segments it includes are deleted
     where their writers are done and they have been still for ``SETTLE_S``; a running
-    replica's open segment, and one sealed since, go at the fleet's next compaction. Returns the snapshot written (None: left to the fleet) and the requests it
-    removed."""
+    replica's open segment, and one sealed since, go at the fleet's next compaction. Returns
+    the snapshot written (None: left to the fleet) and the requests it removed."""
     directory = Path(directory)
     facts = read_store_facts(directory)
     before = now_ms() - (int(3_600_000 * older_than_hours) if older_than_hours else 0)
