@@ -182,7 +182,7 @@ def after_handover(method: Callable) -> Callable:
         if drafter is not None and drafter.has_work_after_handover:
             start = time.perf_counter_ns()
             with _failures_reported(drafter, "could not finish the step's drafting"):
-                drafter.after_handover(_work_done_event(self.device).query)
+                drafter.after_handover(_forward_done(self.device))
             timer = _drafting_timer(self)
             timer.add_after(time.perf_counter_ns() - start)
             drafter.observe_drafting_time(None, timer.last_total_ns() / 1e9)
@@ -191,24 +191,17 @@ def after_handover(method: Callable) -> Callable:
     return wrapper
 
 
-class _NeverDone:
-    """vLLM-CPU runs the forward before the hand-over, not beside it: drafts ahead are made in
-    full."""
-
-    @staticmethod
-    def query() -> bool:
-        return False
-
-
-def _work_done_event(device: Any) -> Any:
-    """Completes when the work enqueued so far on ``device``'s current stream is done."""
+def _forward_done(device: Any) -> Callable[[], bool]:
+    """Whether the work enqueued so far on ``device``'s current stream (the forward just
+    launched) is done. vLLM-CPU runs the forward before the hand-over, not beside it: never,
+    so drafts ahead are made in full."""
     if device.type != "cuda":
-        return _NeverDone
+        return lambda: False
     import torch
 
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
-    return event
+    return event.query
 
 
 def _searches_ahead(runner: Any) -> bool:
@@ -269,7 +262,7 @@ def searching_ahead_after(model_forward: Callable) -> Callable:
 
             if isinstance(output, torch.Tensor):  # not a pipeline stage's intermediate tensors
                 start = time.perf_counter_ns()
-                # Failed, it is searched after sampling instead.
+                # A failed search is made after sampling instead.
                 with _failures_reported(drafter, "could not search ahead"):
                     drafter.search_ahead(output[logits_indices])
                 _drafting_timer(self).add_before(time.perf_counter_ns() - start)
