@@ -174,12 +174,27 @@ def request(port: int, method: str, path: str, body: Any, timeout_s: float,
         connection.close()
 
 
-def metrics(port: int) -> dict[str, float]:
+class ScrapeFailed(RuntimeError):
+    """``/metrics`` answered with an error every time it was asked."""
+
+
+def metrics(port: int, attempts: int = 3) -> dict[str, float]:
     """Our series and vLLM's speculative-decoding counters, summed over label values but
-    ``method`` (``served_store_tokens``: the largest replica's)."""
+    ``method`` (``served_store_tokens``: the largest replica's).
+
+    An error answer is asked again: in prometheus_client's multiprocess mode a process creates
+    its file for a new kind of series empty and sizes it after, and a scrape reading it between
+    answers 500 (seen at a server's first request, when vLLM's HTTP metrics appear).
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
-    status, body = request(port, "GET", "/metrics", None, 30.0)
+    for _ in range(attempts):
+        status, body = request(port, "GET", "/metrics", None, 30.0)
+        if status == 200:
+            break
+        time.sleep(0.5)
+    else:
+        raise ScrapeFailed(f"/metrics answered {status} {attempts} times: {body[:300]!r}")
     values: dict[str, float] = defaultdict(float)
     for family in text_string_to_metric_families(body.decode()):
         for sample in family.samples:
@@ -320,7 +335,7 @@ class Sampler(threading.Thread):
         while True:
             try:
                 tokens = metrics(self.server.port).get("vllm_rsd:served_store_tokens")
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException, ScrapeFailed):
                 tokens = None  # a busy server: the row still has its RSS
             server, engine = (b / 2 ** 20 for b in self.server.rss_bytes())
             self.rows.append({"t_s": round(time.monotonic() - self.started, 1),

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import http.server
+import threading
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 
 from benchmarks.soak import (
-    PEER_SPECS, Outcome, lost_requests, passed, report, rss_checks, rss_growth, stored_documents,
-    summarize_traffic)
+    PEER_SPECS, Outcome, Sampler, ScrapeFailed, lost_requests, metrics, passed, report,
+    rss_checks, rss_growth, stored_documents, summarize_traffic)
 from vllm_retrieval_spec.bench.report import results_document
 from vllm_retrieval_spec.datastore.journal import TokenizerFacts
 from vllm_retrieval_spec.datastore.served import ServedStore
@@ -37,6 +42,68 @@ def test_traffic_summary_counts_errors_and_distinct_duplicate_outputs():
     summary = summarize_traffic(outcomes)
     assert summary["duplicate_outputs"] == {0: 1, 1: 2}
     assert (summary["num_errors"], summary["malformed_400"]) == (1, 1)
+
+
+class MetricsEndpoint:
+    """A ``/metrics`` that answers 500, as vLLM's does while a process creates its file, for
+    its first ``errors`` scrapes."""
+
+    BODY = (b'vllm_rsd:served_store_tokens{method="hybrid",pid="7"} 42.0\n'
+            b'vllm_rsd:lookups_total{method="hybrid"} 3.0\n')
+
+    def __init__(self, errors):
+        endpoint = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                failing = endpoint.errors > 0
+                endpoint.errors -= failing
+                body = b'{"error":{"message":"unpack_from requires a buffer"}}' if failing \
+                    else endpoint.BODY
+                self.send_response(500 if failing else 200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.errors = errors
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def endpoint(request):
+    served = MetricsEndpoint(request.param)
+    yield served
+    served.close()
+
+
+@pytest.mark.parametrize("endpoint", [2], indirect=True)
+def test_a_scrape_answered_with_an_error_is_asked_again(endpoint):
+    values = metrics(endpoint.port)
+    assert values == {"vllm_rsd:served_store_tokens": 42.0, "vllm_rsd:lookups_total": 3.0}
+
+
+@pytest.mark.parametrize("endpoint", [3], indirect=True)
+def test_a_scrape_failing_every_time_says_what_the_server_answered(endpoint):
+    with pytest.raises(ScrapeFailed, match="answered 500 3 times: .*unpack_from"):
+        metrics(endpoint.port)
+
+
+@pytest.mark.parametrize("endpoint", [100], indirect=True)
+def test_the_memory_sampler_keeps_sampling_when_scrapes_fail(endpoint):
+    server = SimpleNamespace(port=endpoint.port, rss_bytes=lambda: (2 ** 20, 3 * 2 ** 20))
+    sampler = Sampler(server, SimpleNamespace(outcomes=[]), started=0.0)
+    sampler.stop.set()  # one sample, then it returns
+    sampler.run()
+    assert [(r["rss_mib"], r["served_store_tokens"]) for r in sampler.rows] == [(4.0, None)]
 
 
 def test_rss_growth_compares_the_ends_of_the_window():
