@@ -55,6 +55,25 @@ def test_ranking_matches_brute_force(seed):
             brute_force_rank(context, states, min_similarity, max_candidates)
 
 
+def test_cached_states_take_two_bytes_a_component_and_rank_as_float32_does():
+    rng = np.random.default_rng(0)
+    hidden, n = 64, 400
+    context = rng.integers(0, 8, n).astype(np.int32)
+    exact = unit_rows(rng.normal(size=(n - 1, hidden)).astype(np.float32))
+    cache = HiddenStateCache(hidden, max_len=1024)
+    cache.write(0, exact)
+    assert cache.view().nbytes == (n - 1) * hidden * 2
+    ranked = 0
+    for end in range(3, n + 1):
+        j = rank_occurrences(context[:end], exact, -1.0, 256)
+        similarities = sorted(exact[k - 1] @ exact[end - 2] for k in range(1, end - 1)
+                              if context[k] == context[end - 1])
+        if len(similarities) > 1 and similarities[-1] - similarities[-2] > 1e-2:
+            assert rank_occurrences(context[:end], cache.view(), -1.0, 256) == j
+            ranked += 1
+    assert ranked > 300
+
+
 def config(**options):
     return parse_speculative_config({"method": "pld_plus", "num_speculative_tokens": 3,
                                      **options}, VLLM_CPU_DEFAULTS)

@@ -35,7 +35,9 @@ def rank_occurrences(context: np.ndarray, unit_states: np.ndarray, min_similarit
     if not len(occurrences):
         return -1
     occurrences = occurrences[-max_candidates:]
-    similarity = unit_states[occurrences - 1] @ unit_states[n - 2]
+    # float32 for the product: numpy multiplies float16 without BLAS, element by element.
+    similarity = (unit_states[occurrences - 1].astype(np.float32, copy=False)
+                  @ unit_states[n - 2].astype(np.float32, copy=False))
     best = int(np.argmax(similarity))
     return int(occurrences[best]) if similarity[best] >= min_similarity else -1
 
