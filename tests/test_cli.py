@@ -168,6 +168,22 @@ def test_build_datastore_with_a_model_without_a_tokenizer(tmp_path, model):
     assert not (tmp_path / "ds").exists()
 
 
+def test_a_models_tokenizer_is_loaded_once(monkeypatch):
+    # bench loads it for its prompts and again for its warm-up text.
+    import transformers
+
+    loads = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda model: loads.append(model) or object())
+    cli.load_tokenizer.cache_clear()
+    try:
+        assert cli.load_tokenizer("a") is cli.load_tokenizer("a")
+        cli.load_tokenizer("b")
+        assert loads == ["a", "b"]
+    finally:
+        cli.load_tokenizer.cache_clear()
+
+
 NEITHER_OR_BOTH = 'expected an object with either "prompt" .* or "messages"'
 
 

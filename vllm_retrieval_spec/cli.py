@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -71,9 +72,11 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+@functools.cache
 def load_tokenizer(model: str) -> Any:
-    """``model``'s tokenizer. A model without one (a typo in the name, an empty folder) is the
-    user's error: named in one line, not buried at the end of transformers' traceback."""
+    """``model``'s tokenizer, loaded once per process. A model without one (a typo in the name,
+    an empty folder) is the user's error: named in one line, not buried at the end of
+    transformers' traceback."""
     from transformers import AutoTokenizer
 
     try:

@@ -96,8 +96,7 @@ def datastore_entry(entry: str) -> tuple[str, str]:
 def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[int]]]:
     """Task name -> prompt token ids: the named tasks, then one task per prompts file (named
     after the file)."""
-    from transformers import AutoTokenizer
-
+    from vllm_retrieval_spec import cli
     from vllm_retrieval_spec.bench.tasks import (
         TASKS, file_requests, render, task_prompts)
 
@@ -116,7 +115,7 @@ def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[i
                 for name, f in files.items()}
     check_prompt_counts({name: len(batch) for name, batch in requests.items()}, args.prompts,
                         args.prompt_offset)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = cli.load_tokenizer(model)
     per_task = TASK_PROMPTS if args.prompts is None else args.prompts
     prompts = {t: task_prompts(t, tokenizer, per_task, args.prompt_offset) for t in tasks}
     check_prompt_counts({t: len(prompts[t]) for t in tasks}, per_task, args.prompt_offset)
