@@ -249,6 +249,22 @@ def test_a_layer_that_is_not_attention_is_refused_by_its_backend():
         refuse_unsupported_trees(cpu_runner(SimpleNamespace(), "MAMBA2_ATTN"), tree_refusal)
 
 
+def test_layers_in_several_kv_cache_groups_are_refused():
+    # Each group has a block table of its own; the accepted path is moved by one.
+    from types import SimpleNamespace
+
+    from vllm_retrieval_spec.config import ConfigError
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+    from vllm_retrieval_spec.verification.cpu import tree_refusal
+
+    runner = cpu_runner(SimpleNamespace(impl=cpu_attention()))
+    refuse_unsupported_trees(runner, tree_refusal)
+    runner.attn_groups = runner.attn_groups * 2
+    with pytest.raises(ConfigError, match=r"with 2 KV-cache groups \(layers whose caches differ "
+                                          r"in layout\); set \"tree\": \"off\""):
+        refuse_unsupported_trees(runner, tree_refusal)
+
+
 @pytest.mark.parametrize("layout, message", [
     # A connector saves the KV the forward wrote, before an off-chain path is moved.
     ({"kv_transfer_config": object()},

@@ -216,6 +216,11 @@ def refuse_unsupported_trees(runner: Any,
             if reason is not None:
                 raise ConfigError(f"tree drafts cannot be verified here: {reason} (layer "
                                   f"{name}); {fix}")
+    if len(runner.attn_groups) > 1:
+        # One list per KV-cache group, each with a block table of its own: the accepted path
+        # is moved by one table, for every layer.
+        raise ConfigError(f"tree drafts cannot be verified with {len(runner.attn_groups)} "
+                          f"KV-cache groups (layers whose caches differ in layout); {fix}")
 
 
 def tree_eligible(sampling_params: Any) -> bool:
