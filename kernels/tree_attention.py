@@ -281,9 +281,11 @@ def _kernels() -> tuple[Any, Any, Any]:
             keys = start + cols
             key_ok = keys < context_end
             both = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(kc_ptr + keys[:, None] * stride_kcl + kv * stride_kch + d[None, :],
+            # int64: a context's offsets pass 2^31 elements at ~2 M tokens of 8 x 128 heads.
+            rows = keys.to(tl.int64)[:, None]
+            k = tl.load(kc_ptr + rows * stride_kcl + kv * stride_kch + d[None, :],
                         mask=both, other=0.0)
-            v = tl.load(vc_ptr + keys[:, None] * stride_vcl + kv * stride_vch + d[None, :],
+            v = tl.load(vc_ptr + rows * stride_vcl + kv * stride_vch + d[None, :],
                         mask=both, other=0.0)
             m, total, acc = _softmax_step(q, k, v, key_ok[None, :], m, total, acc, qk_scale,
                                           DOT_F32, PRECISION)
