@@ -338,6 +338,13 @@ def test_unreadable_jsonl(tmp_path, tokenizer):
     cut_gz.write_bytes(gzip.compress(json.dumps({"text": "x" * 1000}).encode())[:-12])
     with pytest.raises(DatastoreError, match=r"cut.jsonl.gz cannot be read .*end-of-stream"):
         build([cut_gz], tmp_path / "out", tokenizer)
+    # A gzip header followed by a damaged deflate stream: zlib.error, which is no OSError.
+    damaged = bytearray(gzip.compress(json.dumps({"text": "x y " * 500}).encode()))
+    damaged[12:24] = b"\xff" * 12
+    bad_gz = tmp_path / "damaged.jsonl.gz"
+    bad_gz.write_bytes(bytes(damaged))
+    with pytest.raises(DatastoreError, match=r"damaged.jsonl.gz cannot be read .*decompressing"):
+        build([bad_gz], tmp_path / "out", tokenizer)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 

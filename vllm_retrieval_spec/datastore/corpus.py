@@ -19,6 +19,7 @@ import gzip
 import json
 import os
 import sys
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,9 +138,10 @@ def jsonl_objects(lines: Iterable[str], path: str | Path,
 def _read_jsonl(path: Path, tokenizer: Any, text_field: str, messages_field: str) -> Iterator[str]:
     try:
         yield from _jsonl_documents(path, tokenizer, text_field, messages_field)
-    except (UnicodeDecodeError, OSError, EOFError) as e:
-        # Bytes that are not UTF-8, or a .gz that is not (whole) gzip, are the corpus's fault
-        # just like a malformed line: named, not a traceback.
+    except (UnicodeDecodeError, OSError, EOFError, zlib.error) as e:
+        # Bytes that are not UTF-8, or a .gz that is not (whole, intact) gzip, are the corpus's
+        # fault just like a malformed line: named, not a traceback. A damaged deflate stream
+        # raises zlib.error, which is not an OSError.
         raise DatastoreError(
             f"{path} cannot be read as UTF-8 JSON lines ({e}); convert it to UTF-8 or leave it out"
         ) from None
