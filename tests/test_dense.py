@@ -346,6 +346,18 @@ def test_truncated_keys_fail(tmp_path):
         DenseIndex.from_path(path)
 
 
+def test_keys_with_a_damaged_header_fail(tmp_path):
+    """A .npy header that no longer parses (same size) is a one-line 'rebuild it', not
+    numpy's ValueError."""
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    keys = path / DENSE_DIR / KEYS_FILE
+    keys.write_bytes(b"JUNK!!" + keys.read_bytes()[6:])
+    with pytest.raises(DatastoreError, match=r"keys.npy is not a valid .npy file \(.*\); rebuild"):
+        DenseIndex.from_path(path)
+
+
 def test_existing_index_needs_overwrite(tmp_path):
     states, labels = clustered_states(100)
     path = make_store(tmp_path, [labels.tolist()])

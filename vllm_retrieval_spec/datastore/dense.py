@@ -242,7 +242,12 @@ def check_dense_files(path: Path, manifest: DenseManifest, *, verify_checksums: 
             raise DatastoreError(
                 f"{file} has {file.stat().st_size} bytes, the manifest records "
                 f"{entry['bytes']}; {DENSE_REBUILD_HINT}")
-        file_dtype, file_shape = read_npy_header(file)
+        try:
+            file_dtype, file_shape = read_npy_header(file)
+        except ValueError as e:
+            # numpy's own error would be a traceback; a damaged header is a rebuild.
+            raise DatastoreError(
+                f"{file} is not a valid .npy file ({e}); {DENSE_REBUILD_HINT}") from None
         if file_dtype.name != dtype or list(file_shape) != shape:
             raise DatastoreError(
                 f"{file} holds {file_dtype.name} {list(file_shape)}, expected {dtype} {shape}; "
