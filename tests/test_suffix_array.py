@@ -82,6 +82,16 @@ def test_suffix_array_on_realistic_stream():
     np.testing.assert_array_equal(build_suffix_array(tokens), suffix_array_reference(tokens))
 
 
+@pytest.mark.parametrize("high", [300, 200_000])
+def test_suffix_array_keeps_no_byte_level_array_alive(high):
+    """With 2 or 3 bytes per token, divsufsort's array is 2 or 3 times the result: the result
+    must not be a view of it (the served store holds its index for the process's life)."""
+    tokens = np.random.default_rng(3).integers(0, high, size=1000).astype(np.int32)
+    sa = build_suffix_array(tokens)
+    held = sa if sa.base is None else sa.base
+    assert np.asarray(held).nbytes == sa.nbytes
+
+
 def test_suffix_array_of_empty_stream():
     assert build_suffix_array(np.empty(0, dtype=np.int32)).shape == (0,)
 

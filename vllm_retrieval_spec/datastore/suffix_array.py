@@ -40,7 +40,8 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     65,536. Every step but numpy's ranking runs without the GIL (compiled with ``nogil``, and
     libdivsufsort through ctypes), so the served store's background rebuilds do not hold up
     drafting. Memory: the encoded text (width x n bytes) plus divsufsort's byte-level suffix array
-    (4 x width x n bytes), compacted in place to the token-level one.
+    (4 x width x n bytes), compacted in place to the token-level one, which is then copied out
+    (4 x n bytes more) when the byte-level array was longer.
     """
     from pydivsufsort import divsufsort
 
@@ -60,7 +61,11 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
         _keep_token_starts(byte_sa, width)
     sa = byte_sa[:n]
     dtype = suffix_array_dtype(n)
-    return sa if sa.dtype == dtype else sa.astype(dtype)
+    if sa.dtype == dtype and width == 1:
+        return sa
+    # A copy: a view would keep the whole byte-level array (width x n entries) alive for as
+    # long as the result, which the served store holds until its next rebuild.
+    return sa.astype(dtype)
 
 
 @numba.njit(cache=True, nogil=True)
