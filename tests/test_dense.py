@@ -346,6 +346,20 @@ def test_truncated_keys_fail(tmp_path):
         DenseIndex.from_path(path)
 
 
+def test_missing_scann_searcher_fails(clustered_store, tmp_path):
+    """A manifest that records a ScaNN searcher whose directory is gone (a partial copy) is a
+    one-line error, not a FileNotFoundError from inside the searcher's loader."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(clustered_store[0], copy)
+    shutil.rmtree(copy / DENSE_DIR / "scann")
+    with pytest.raises(DatastoreError, match=r"dense/scann has no ScaNN searcher .*use search "
+                                             r"'exact' or rebuild it"):
+        DenseIndex.from_path(copy)
+    assert DenseIndex.from_path(copy, search="exact").search_backend == "exact"
+
+
 def test_keys_with_a_damaged_header_fail(tmp_path):
     """A .npy header that no longer parses (same size) is a one-line 'rebuild it', not
     numpy's ValueError."""

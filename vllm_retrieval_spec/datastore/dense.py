@@ -30,7 +30,7 @@ import numpy as np
 
 from vllm_retrieval_spec.config.options import DENSE_SEARCH_BACKENDS
 from vllm_retrieval_spec.datastore.dense_search import (
-    SCANN_MIN_KEYS, ExactSearcher, ScannSearcher, build_scann, scann_settings)
+    SCANN_ASSETS, SCANN_MIN_KEYS, ExactSearcher, ScannSearcher, build_scann, scann_settings)
 from vllm_retrieval_spec.datastore.projection import Projection, chunk_rows, fit_projection
 from vllm_retrieval_spec.datastore.format import (
     atomic_datastore_dir,
@@ -112,6 +112,11 @@ class DenseIndex:
                 raise DatastoreError(
                     f"{path} has no ScaNN searcher (built with --dense-index exact, or fewer than "
                     f"{SCANN_MIN_KEYS} keys); use search 'exact' or {DENSE_REBUILD_HINT}")
+            if not (path / SCANN_DIR / SCANN_ASSETS).is_file():
+                # The manifest's checks cover the arrays only; a partial copy can lack this.
+                raise DatastoreError(
+                    f"{path / SCANN_DIR} has no ScaNN searcher ({SCANN_ASSETS} is missing), "
+                    f"which the manifest records; use search 'exact' or {DENSE_REBUILD_HINT}")
             self.searcher: ExactSearcher | ScannSearcher = ScannSearcher(path / SCANN_DIR)
         else:
             self.searcher = ExactSearcher(self.keys)

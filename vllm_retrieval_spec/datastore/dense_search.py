@@ -13,6 +13,8 @@ import numpy as np
 #: searched exactly. Above it ScaNN wins early: at 42 k keys a query took 38 us p50 against
 #: 650 us for the exact matmul, with the same drafts (replay of HumanEval prompts 20-39).
 SCANN_MIN_KEYS = 4096
+#: The file of a serialized ScaNN searcher that lists the others.
+SCANN_ASSETS = "scann_assets.pbtxt"
 
 class ExactSearcher:
     """Inner product against every key. Holds the keys as float32 (4 x dims bytes per key):
@@ -42,7 +44,7 @@ class ScannSearcher:
         # datastore) invalidates: point them into this directory.
         assets = re.sub(r'asset_path: "(?:[^"]*/)?([^"/]+)"',
                         lambda m: f'asset_path: "{directory / m.group(1)}"',
-                        (directory / "scann_assets.pbtxt").read_text(encoding="utf-8"))
+                        (directory / SCANN_ASSETS).read_text(encoding="utf-8"))
         self.searcher = scann_ops_pybind.ScannSearcher(
             scann_ops_pybind.scann_pybind.ScannNumpy(str(directory), assets), None)
 
