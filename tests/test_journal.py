@@ -279,6 +279,16 @@ def test_a_directory_holds_one_served_store_modes_requests(tmp_path, keyed):
     assert stored(replica(tmp_path, "h-3-c", keyed=not keyed)) == []
 
 
+@pytest.mark.parametrize("text", ["{", "[]", '{"tokenizer": {}}', '{"key_salt": "zz"}',
+                                  '{"tokenizer": {"name": "t", "fingerprint": "f", '
+                                  '"vocab_size": 9}, "key_salt": "00", "keyed": "yes"}'])
+def test_an_unusable_store_json_is_a_one_line_error(tmp_path, text):
+    serve(replica(tmp_path, "h-1-a"), "r1", [5, 6])
+    (tmp_path / STORE_FILE).write_text(text)
+    with pytest.raises(DatastoreError, match=r"store.json is unusable \(.+\); restore it"):
+        check_served_directory(tmp_path, TOKENIZER.fingerprint, False)
+
+
 def test_compaction_with_several_writers_loses_and_duplicates_nothing(tmp_path):
     a, b = replica(tmp_path, "h-1-a"), replica(tmp_path, "h-2-b")
     serve(a, "1", [1, 1])

@@ -536,8 +536,25 @@ def read_store_facts(directory: Path) -> StoreFacts:
     except FileNotFoundError:
         raise DatastoreError(f"{directory} is not a served store: it has no {STORE_FILE}") \
             from None
-    return StoreFacts(TokenizerFacts(**data["tokenizer"]), bytes.fromhex(data["key_salt"]),
-                      data.get("keyed"))
+    except ValueError as e:
+        raise _unusable_store_file(directory, e) from None
+    try:
+        facts = StoreFacts(TokenizerFacts(**data["tokenizer"]), bytes.fromhex(data["key_salt"]),
+                           data.get("keyed"))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _unusable_store_file(directory, e) from None
+    if facts.keyed not in (None, True, False):
+        raise _unusable_store_file(directory, f"'keyed' is {facts.keyed!r}")
+    return facts
+
+
+def _unusable_store_file(directory: Path, why: object) -> Exception:
+    """A hand-edited or damaged store.json: a one-line error, not a traceback. Not replaced:
+    a new salt would orphan the keyed requests, and the tokenizer check would go."""
+    from vllm_retrieval_spec.datastore.format import DatastoreError
+
+    return DatastoreError(f"{directory / STORE_FILE} is unusable ({why!s}); restore it, or "
+                          f"give this server a directory of its own")
 
 
 def store_facts(directory: Path, tokenizer: TokenizerFacts, keyed: bool) -> StoreFacts:
