@@ -117,6 +117,31 @@ def test_background_inserts_are_indexed_after_wait_indexed():
         store.close()
 
 
+def test_close_that_stops_waiting_leaves_the_thread_indexing_what_was_queued(monkeypatch):
+    # Before, close() dropped the queue while a slow insert ran: the thread then failed on
+    # its next get, and requests queued behind the slow one were never indexed.
+    import threading
+
+    release, inserted = threading.Event(), []
+
+    def slow_insert(document, positions, states, keys):
+        release.wait(10)
+        inserted.append(int(document[0]))
+
+    store = ServedDenseStore(100, DIMS, projection=identity_projection())
+    monkeypatch.setattr(store, "_insert", slow_insert)
+    monkeypatch.setattr(store, "CLOSE_WAIT_S", 0.1)
+    thread, states = store._thread, unit(np.random.default_rng(5), 2)
+    for first in (1, 2):
+        store.add(np.arange(first, first + 4, dtype=np.int32), states, np.arange(2))
+    store.close()
+    assert thread.is_alive()
+    store.add(np.arange(3, 7, dtype=np.int32), states, np.arange(2))  # after close: dropped
+    release.set()
+    thread.join(5)
+    assert not thread.is_alive() and inserted == [1, 2]
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="max_keys must be at least 1"):
         ServedDenseStore(0, DIMS)

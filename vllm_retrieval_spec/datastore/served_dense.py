@@ -105,9 +105,10 @@ class ServedDenseStore:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
+        self._closed = False
         if background:
             self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._insert_forever,
+            self._thread = threading.Thread(target=self._insert_forever, args=(self._queue,),
                                              name="served-dense-index", daemon=True)
             self._thread.start()
 
@@ -162,6 +163,8 @@ class ServedDenseStore:
     def _enqueue(self, document: np.ndarray, positions: np.ndarray, states: np.ndarray | None,
                  keys: np.ndarray | None) -> None:
         item = (document, positions, states, keys)
+        if self._closed:
+            return  # shut down: an insert here could race one the thread has not finished
         if self._queue is not None:
             self._queue.put(item)
         else:
@@ -223,15 +226,22 @@ class ServedDenseStore:
         self._queue.put(done)
         return done.wait(timeout)
 
+    #: How long ``close`` waits for what is queued to be indexed.
+    CLOSE_WAIT_S = 10.0
+
     def close(self) -> None:
+        """Stop indexing: what is queued is indexed first, for at most ``CLOSE_WAIT_S``
+        (the thread goes on after that, with the queue it was given); later requests are
+        dropped."""
+        self._closed = True
         if self._queue is not None and self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=self.CLOSE_WAIT_S)
             self._queue = None
 
-    def _insert_forever(self) -> None:
+    def _insert_forever(self, requests: queue.SimpleQueue) -> None:
         while True:
-            item = self._queue.get()
+            item = requests.get()
             if item is None:
                 return
             if isinstance(item, threading.Event):
