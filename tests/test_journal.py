@@ -512,12 +512,19 @@ def test_what_cut_off_writes_left_is_removed_at_start_up(tmp_path):
     # Another host's pid means nothing here: only age tells.
     assert not stale_temporary(f"snapshot-1-g-1-a.tmp-{dead}", 60, "h")
     assert stale_temporary(f"snapshot-1-g-1-a.tmp-{dead}", 7200, "h")
-    (tmp_path / f"store.json.tmp-{dead}").write_text("{")
+    # A name without a host may be another host's write under way, for a moment.
+    assert not stale_temporary(f"store.json.tmp-{dead}", 1, "h")
+    assert stale_temporary(f"store.json.tmp-{dead}", 60, "h")
+    cut_off = tmp_path / f"store.json.tmp-{dead}"
+    cut_off.write_text("{")
+    os.utime(cut_off, (time.time() - 60,) * 2)
+    (tmp_path / f"purge-1-ab12.json.tmp-{dead}").write_text("{")  # under way: left
     (tmp_path / f"snapshot-1-{this_host()}-{dead}-a.tmp-{dead}").mkdir()
     (tmp_path / f"snapshot-1-{this_host()}-1-a.tmp-{os.getpid()}").mkdir()  # being written
     replica(tmp_path, "h-1-a")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"snapshot-1-{this_host()}-1-a.tmp-{os.getpid()}", "store.json"]
+        f"purge-1-ab12.json.tmp-{dead}", f"snapshot-1-{this_host()}-1-a.tmp-{os.getpid()}",
+        "store.json"]
 
 
 def test_the_lock_is_taken_over_once_its_lease_ran_out(tmp_path):

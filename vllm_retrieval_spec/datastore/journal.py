@@ -465,13 +465,17 @@ def pid_alive(pid: int) -> bool:
 def stale_temporary(name: str, age_s: float, host: str) -> bool:
     """Whether ``name`` is what a cut-off atomic write left (``atomic.atomic_path``'s
     ``.tmp-<pid>``, ``.old-<pid>``): its pid is dead on this host and the name says this host
-    wrote it (snapshots name their replica), or it is old enough that no write still runs."""
+    wrote it (snapshots name their replica), or it is old enough that no write still runs.
+
+    Other names (``store.json``'s, a purge file's) do not say which host wrote them, and
+    another host's live writer may have a pid dead here (replicas starting together on a new
+    directory): they count as this host's once still for ``SETTLE_S``, past any such write."""
     match = _TEMPORARY.fullmatch(name)
     if match is None:
         return False
     if age_s > FOREIGN_TEMPORARY_S:
         return True
-    ours = f"-{host}-" in name or not name.startswith("snapshot-")
+    ours = f"-{host}-" in name if name.startswith("snapshot-") else age_s > SETTLE_S
     return ours and not pid_alive(int(match[1]))
 
 
