@@ -218,7 +218,8 @@ def check_memory_for_interleaving(num_engines: int, model: str,
 
 def _run_engines(model: str, runs: list[MethodRun], prompts: dict[str, list[list[int]]],
                  warmup_prompt: list[int], settings: BenchSettings, progress: Any,
-                 groups: list[list[int]]) -> list[dict[str, tuple[dict[str, Any], list[list[int]] | None]]]:
+                 groups: list[list[int]],
+                 ) -> list[dict[str, tuple[dict[str, Any], list[list[int]] | None]]]:
     """Each group of runs (indices into ``runs``) with its engines alive at once; each batch of
     prompts goes to every engine of the group in turn, the order rotating from batch to batch.
     On a shared 2-core machine the speed drifts by up to 20% over minutes; run one after

@@ -16,6 +16,7 @@ SCANN_MIN_KEYS = 4096
 #: The file of a serialized ScaNN searcher that lists the others.
 SCANN_ASSETS = "scann_assets.pbtxt"
 
+
 class ExactSearcher:
     """Inner product against every key. Holds the keys as float32 (4 x dims bytes per key):
     meant for small stores and as the oracle."""
