@@ -13,7 +13,10 @@ config in PIECEWISE CUDA-graph mode throughout, the mode the tree curve is measu
 (``calibrated_options``, over the lengths chains verify): those are the accelerator defaults the
 curve implies, and our methods are replayed with its ``draft_token_cost`` and ``min_draft_len``
 (replay has no time budget), so their drafting rules see the measured cost. Every row is
-modelled, not measured in an engine: tokens per forward from replay, time from the curves.
+modelled, not measured in an engine: tokens per forward from replay, time from the curves;
+``modeled_speedup_with_drafting`` adds the drafting each step waits for, timed by replay on the
+machine running it (``draft_us_critical_mean``), and ``ahead_used`` is the share of steps whose
+draft was made ahead.
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def method_configs(k: int, tree_k: int, datastores: list[str]) -> dict[str, dict
     return configs
 
 
+def ahead_used(stats: dict[str, int]) -> float | None:
+    """The share of drafting steps served by a draft made ahead (``precompute_drafts``); None
+    for a drafter that makes none."""
+    made = stats.get("precomputed_used", 0) + stats.get("precomputed_missed", 0)
+    return round(stats.get("precomputed_used", 0) / made, 3) if made else None
+
+
 def modelled_rows(records: list[dict[str, Any]], configs: dict[str, dict], chain_cost: str,
                   tree_cost: str) -> tuple[list[dict[str, Any]], dict[str, float | int]]:
     """One row per task and method, and the options the chain curve implies."""
@@ -72,8 +82,11 @@ def modelled_rows(records: list[dict[str, Any]], configs: dict[str, dict], chain
             result = replay_config(options, ours, platform, verify_cost=chain_cost,
                                    tree_verify_cost=tree_cost if "tree" in options else None)
             rows.append({"task": task, "method": name, "config": options, "prompts": len(ours),
-                         **{key: result[key] for key in ("modeled_speedup", "tokens_per_forward",
-                                                         "mean_draft_len", "draft_us_p50")}})
+                         **{key: result[key] for key in (
+                             "modeled_speedup", "modeled_speedup_with_drafting",
+                             "tokens_per_forward", "mean_draft_len", "draft_us_p50",
+                             "draft_us_critical_mean")},
+                         "ahead_used": ahead_used(result.get("stats", {}))})
         suffix = next(r for r in rows if r["task"] == task and r["method"] == "suffix")
         for row in rows:
             if row["task"] == task:
@@ -120,17 +133,21 @@ def main(argv: list[str] | None = None) -> None:
             f"at the accelerator's defaults with draft_token_cost "
             f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}. "
             f"A tree row's every step costs the tree curve (vLLM runs a tree config "
-            f"PIECEWISE throughout). Step times leave drafting out: with `precompute_drafts` (the accelerator's "
-            f"default) a step's draft is made while its forward runs; the drafting column is "
-            f"replay's own time per step on this machine, for scale.",
+            f"PIECEWISE throughout). Drafting is left out of the modelled speedup; `with "
+            f"drafting` adds to every step the part of drafting it waits for (`critical "
+            f"drafting`: everything but the drafts made ahead, which overlap the next forward), "
+            f"timed by replay on the machine this page names, not a GPU host. `ahead used`: the share of steps whose draft was made ahead "
+            f"(`precompute_drafts`, the accelerator's default).",
             "", f"What the chain curve implies (`vllm-rsd calibrate`'s rules, draft lengths up "
             f"to {CHAIN_LENGTHS}): `{json.dumps(calibrated)}`.",
             "", *markdown_table([("task", "task"), ("method", "method"),
                                  ("modelled speedup", "modeled_speedup"),
                                  ("vs suffix", "vs_suffix"),
+                                 ("with drafting", "modeled_speedup_with_drafting"),
                                  ("tokens/forward", "tokens_per_forward"),
                                  ("mean draft", "mean_draft_len"),
-                                 ("drafting (us/step, p50)", "draft_us_p50")], rows),
+                                 ("critical drafting (us/step, mean)", "draft_us_critical_mean"),
+                                 ("ahead used", "ahead_used")], rows),
             "", "As README's table (modelled speedup over plain decoding, over suffix's in "
             "brackets):", "",
             *markdown_table([("method", "method"), *((task, task) for task in tasks)],

@@ -27,7 +27,11 @@ Where replay is not the engine:
   learns from that clock as from the engine's, padding drafts to measure lengths first. With
   ``--tree-verify-cost`` every step of a tree config costs that curve (vLLM runs them all in
   the tree's CUDA-graph mode), else a tree costs what a chain of as many tokens does; with
-  ``--batch`` each row costs what it would alone.
+  ``--batch`` each row costs what it would alone. The simulated clock leaves drafting out;
+  with a measured curve, ``modeled_speedup_with_drafting`` adds the part of it a step waits
+  for, timed on this machine. Drafts made ahead (``after_handover``) run to the end here,
+  where the engine stops them when the next forward is done and drafts the rest in
+  ``propose``: where they take longer than a forward, the engine waits for more.
 - Hidden states (``--model``) come from one transformers forward over the recorded sequence:
   the true prefix's states, also at rejected draft tokens (vLLM's would be a wrong token's
   there). Only accepted rows are kept (PLD+) or become queries (``last_state_rows``), so the
@@ -130,6 +134,12 @@ class StepCosts:
             return 1.0 + self.draft_token_cost * draft_len
         curve = self.tree_curve if self.tree_curve is not None else self.curve
         return curve[min(draft_len, len(curve) - 1)] / self.curve[0]
+
+    def drafting_units(self, critical_ns: int) -> float:
+        """Drafting a step waits for, in steps without a draft: measured curves only (the
+        modelled cost has no time)."""
+        assert self.curve is not None
+        return critical_ns / (self.curve[0] * 1e6)
 
 
 def fake_vllm_config(config: MethodConfig, *, world_size: int = 1,
@@ -249,6 +259,12 @@ class Replay:
         self.output_tokens = self.forwards = self.decode_steps = self.drafted = 0
         self.cost = 0.0
         self.draft_ns: list[int] = []
+        #: The part of each step's drafting the step waits for, the first step's left out:
+        #: every hook but ``after_handover``, which overlaps the next forward.
+        self.critical_ns: list[int] = []
+        #: That part in steps without a draft, every row of a step waiting for all of it
+        #: (with a measured curve only).
+        self.drafting_cost = 0.0
         self.waiting: deque[tuple[int, dict[str, Any]]] = deque()
         self.running: list[Request] = []
 
@@ -313,9 +329,16 @@ class Replay:
             self.tokens[i, base[i]:base[i] + len(tokens)] = tokens
             num_tokens[i] += len(tokens)
         drafts = drafter.propose(sampled, num_tokens, self.tokens)
+        critical = time.perf_counter_ns() - start
         if drafter.has_work_after_handover:
             drafter.after_handover()
         self.draft_ns.append(time.perf_counter_ns() - start)
+        # A fresh drafter's first step pays what a server pays once, before it serves
+        # (vLLM's ngram compiles its kernels there).
+        if len(self.draft_ns) > 1:
+            self.critical_ns.append(critical)
+            if self.costs.curve is not None:
+                self.drafting_cost += len(batch) * self.costs.drafting_units(critical)
         for r, tokens, draft in zip(batch, sampled, drafts):
             r.done += len(tokens)
             r.draft, r.tree = list(draft), drafter.trees.get(r.req_id)
@@ -373,13 +396,19 @@ def summarize(runs: list[Replay], counters: list[dict[str, Any]]) -> dict[str, A
     """The runs' steps together (a fleet's replicas: one run each) and their drafters'
     ``counters``, summed. ``modeled_speedup``: output tokens over the forwards' summed cost
     (``StepCosts``) in steps without a draft, as plain decoding takes one per token; the
-    prefills' forwards, which verify no draft, count too."""
+    prefills' forwards, which verify no draft, count too. With measured curves also
+    ``modeled_speedup_with_drafting``: each row's steps also wait for the drafting the step
+    waits for, timed here (``draft_us_critical_mean``), in the curve's milliseconds."""
     output_tokens = sum(run.output_tokens for run in runs)
     forwards = sum(run.forwards for run in runs)
     tokens_per_forward = output_tokens / max(forwards, 1)
     mean_draft_len = sum(run.drafted for run in runs) / max(sum(r.decode_steps for r in runs), 1)
     modeled = output_tokens / max(sum(run.cost for run in runs), 1e-9)
     us = np.asarray([ns for run in runs for ns in run.draft_ns] or [0]) / 1e3
+    critical_us = np.asarray([ns for run in runs for ns in run.critical_ns] or [0]) / 1e3
+    with_drafting = {"modeled_speedup_with_drafting": round(
+        output_tokens / max(sum(run.cost + run.drafting_cost for run in runs), 1e-9), 3)} \
+        if all(run.costs.curve is not None for run in runs) else {}
     stats: dict[str, Any] = {}
     for counts in counters:
         for name, value in counts.items():
@@ -389,6 +418,8 @@ def summarize(runs: list[Replay], counters: list[dict[str, Any]]) -> dict[str, A
             "mean_draft_len": round(mean_draft_len, 2),
             "draft_us_p50": round(float(np.percentile(us, 50)), 1),
             "draft_us_p99": round(float(np.percentile(us, 99)), 1),
+            "draft_us_critical_mean": round(float(critical_us.mean()), 1),
+            **with_drafting,
             **({"stats": stats} if stats else {})}
 
 

@@ -50,6 +50,9 @@ def test_every_method_beside_suffix_per_task(tmp_path):
         for method in ("ngram", "suffix", "pld", "hybrid", "hybrid/tree")]
     for row in results["rows"]:
         assert row["prompts"] == 2 and row["tokens_per_forward"] >= 1.0 and row["draft_us_p50"] > 0
+        # Drafting adds to the steps' time; ours make drafts ahead (the accelerator's default).
+        assert 0 < row["modeled_speedup_with_drafting"] <= row["modeled_speedup"]
+        assert (row["ahead_used"] is None) == (row["method"] in ("ngram", "suffix"))
         if row["method"] == "suffix":
             assert row["vs_suffix"] == 1.0
     # The repeated phrase is drafted from the context: pld beats a step per token.
@@ -57,6 +60,7 @@ def test_every_method_beside_suffix_per_task(tmp_path):
     assert pld["tokens_per_forward"] > 1.5 and pld["modeled_speedup"] > 1.2
     page = (tmp_path / "modelled.md").read_text()
     assert "Modelled, not measured" in page and "| chat | hybrid/tree |" in page
+    assert "| with drafting |" in page and "| ahead used |" in page
     assert '"min_draft_len": 1' in page
     suffix = {r["task"]: r["modeled_speedup"] for r in results["rows"] if r["method"] == "suffix"}
     assert "| method | chat | code-gen |" in page

@@ -294,6 +294,44 @@ def test_measured_step_costs_model_each_step_by_its_draft_length(tmp_path):
         measured_step_costs(str(path), 4)
 
 
+class SlowAhead:
+    """vLLM's ngram, whose drafting takes 3 us a step on ``clock`` (5 ms more the first time,
+    a one-time set-up) and whose drafts made ahead after the handover take 1 ms more."""
+
+    def __init__(self, clock: list[int]) -> None:
+        self.peer = NgramPeer({"num_speculative_tokens": 2}, max_model_len=1024)
+        self.clock = clock
+        self.set_up = False
+        self.has_work_after_handover = True
+
+    def __getattr__(self, name):
+        return getattr(self.peer, name)
+
+    def propose(self, *args):
+        self.clock[0] += 3_000 if self.set_up else 5_003_000
+        self.set_up = True
+        return self.peer.propose(*args)
+
+    def after_handover(self) -> None:
+        self.clock[0] += 1_000_000
+
+
+def test_the_drafting_a_step_waits_for_is_added_to_a_measured_curves_steps(monkeypatch):
+    """Drafts made after the handover overlap the next forward: only the rest of drafting
+    (``draft_us_critical_mean``) is added to each step's time, in the curve's milliseconds."""
+    clock = [0]
+    monkeypatch.setattr("benchmarks.replay.time.perf_counter_ns", lambda: clock[0])
+    record = {"prompt": [1, 2, 3], "output": list(range(100, 120))}
+    # Nothing repeats: 20 forwards of one token, each a plain step of 0.5 ms.
+    result, _ = replay(SlowAhead(clock), [record], StepCosts(0.0, [0.5, 0.6, 0.7]))
+    assert result["tokens_per_forward"] == 1.0 and result["modeled_speedup"] == 1.0
+    assert (result["draft_us_critical_mean"], result["draft_us_p50"]) == (3.0, 1003.0)
+    # The first step's drafting is left out (a fresh drafter's one-time set-up).
+    assert result["modeled_speedup_with_drafting"] == round(20 / (20 + 19 * 0.003 / 0.5), 3)
+    # The modelled cost has no milliseconds to add them to.
+    assert "modeled_speedup_with_drafting" not in replay(SlowAhead(clock), [record])[0]
+
+
 def test_padding_learns_the_step_costs_and_pads_where_longer_is_cheaper():
     """The proposer's own padding, timed by replay's clock: it learns each length's cost as
     the engine would from its steps, then pads an empty draft to 3 tokens, the shortest of the
