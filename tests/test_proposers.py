@@ -143,16 +143,43 @@ def test_a_tree_with_parents_out_of_order_costs_its_draft(datastore, caplog):
     assert "not in topological order" in caplog.text
 
 
+class DraftClock:
+    """The drafting guard's clock (``perf_counter_ns``): it moves only when a drafter says it
+    took time, so a busy machine (a preempted fast draft, a GC pause) changes no outcome."""
+
+    def __init__(self):
+        self.ns = 0
+
+    def perf_counter_ns(self):
+        return self.ns
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from vllm_retrieval_spec.drafting import guard
+
+    clock = DraftClock()
+    monkeypatch.setattr(guard, "time", SimpleNamespace(perf_counter_ns=clock.perf_counter_ns,
+                                                       sleep=time.sleep))
+    return clock
+
+
 class Slow(MethodDrafter):
+    """Takes 20 ms of the guard's clock to draft after a 9, no time otherwise."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
     def draft(self, row, context, max_len):
-        time.sleep(0.02 if context[-1] == 9 else 0)
+        if context[-1] == 9:
+            self.clock.ns += 20_000_000
         return np.asarray([1], dtype=np.int32)
 
 
-def test_a_draft_over_its_time_budget_is_dropped(datastore, caplog):
+def test_a_draft_over_its_time_budget_is_dropped(datastore, caplog, clock):
     proposer = helpers.proposer(
         {"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
-         "draft_budget_ms": 10.0, "min_draft_len": 1}, method=Slow())
+         "draft_budget_ms": 10.0, "min_draft_len": 1}, method=Slow(clock))
     tokens, lengths = batch([1, 9], [1, 2], [1, 9])
     assert proposer.propose([[9], [2], [9]], lengths, tokens) == [[], [1], []]
     assert proposer.stats() == {"failed_over_budget": 2}
@@ -161,14 +188,14 @@ def test_a_draft_over_its_time_budget_is_dropped(datastore, caplog):
 
 
 
-def test_tensor_parallel_ranks_drop_no_draft_by_their_own_clock(datastore):
+def test_tensor_parallel_ranks_drop_no_draft_by_their_own_clock(datastore, clock):
     # Every rank drafts, and each verifies the tree its own drafter made: a time budget would
     # drop a draft on a rank that happened to be slow and not on the others, and that rank
     # would verify the tokens as a chain while the others attend to them as a tree.
     config = vllm_config({"method": "rest", "num_speculative_tokens": 3, "datastore": datastore,
                           "draft_budget_ms": 10.0, "min_draft_len": 1})
     config.parallel_config = SimpleNamespace(world_size=2)
-    proposer = RetrievalProposer(config, Slow())
+    proposer = RetrievalProposer(config, Slow(clock))
     tokens, lengths = batch([1, 9], [1, 2], [1, 9])
     assert proposer.propose([[9], [2], [9]], lengths, tokens) == [[1], [1], [1]]
     assert proposer.stats() == {}
