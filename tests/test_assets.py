@@ -6,7 +6,6 @@ and a throw-away cache would repeat a ~30 s conversion on every run.
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -85,12 +84,13 @@ def test_model_folder_is_complete_and_tied(smollm2):
     assert not list(smollm2.parent.glob(f"{smollm2.name}.tmp-*"))
 
 
-def test_second_call_is_fast_and_offline(smollm2, monkeypatch):
+def test_second_call_is_offline_and_converts_nothing(smollm2, monkeypatch):
+    # No download (pip runs through subprocess) and no conversion: the cached folder as it is.
+    # How fast that is belongs in benchmarks, not in a timed test.
     monkeypatch.setattr(subprocess, "run", _no_network)
     monkeypatch.setattr(assets, "_convert_gguf", _no_network)
-    start = time.monotonic()
+    monkeypatch.setattr(assets, "pypi_member", _no_network)
     assert model_path() == smollm2
-    assert time.monotonic() - start < 5
 
 
 def test_transformers_loads_offline_and_answers(smollm2):
