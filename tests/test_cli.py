@@ -314,3 +314,18 @@ def test_a_prompt_without_room_for_an_output_token_is_refused_before_any_engine(
 ])
 def test_datastore_entries_are_split_at_the_names_end(entry, expected):
     assert commands.datastore_entry(entry) == expected
+
+
+def test_ctrl_c_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    # Before: Ctrl-C halfway through a build printed a traceback into the tokenizer.
+    from vllm_retrieval_spec.datastore import build
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "build_datastore", interrupted)
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: object())
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["build-datastore", str(tmp_path), "-o", str(tmp_path / "ds")])
+    assert exit.value.code == 130
+    assert capsys.readouterr().err == "vllm-rsd: interrupted; no output was left half-written\n"

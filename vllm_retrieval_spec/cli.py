@@ -394,6 +394,11 @@ def main(argv: list[str] | None = None) -> None:
     except DatastoreError as e:
         # Bad input, not a bug: the message says what to do, a traceback would bury it.
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        # The user stopped it: a traceback into tokenizers or vLLM would read as a crash.
+        # Every output appears under its name only once complete, so nothing is half-written.
+        print("vllm-rsd: interrupted; no output was left half-written", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":
