@@ -275,6 +275,10 @@ def test_served_purge_removes_a_keys_requests(tmp_path, capsys):
     assert after.stores.get(after.key_of("y")).num_documents == 1
     with pytest.raises(SystemExit, match="not a served store"):
         cli.main(["served", "purge", str(tmp_path / "nowhere")])
+    # Before: a file given for the directory was a NotADirectoryError traceback.
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="a-file is not a served store"):
+        cli.main(["served", "purge", str(tmp_path / "a-file")])
     with pytest.raises(SystemExit, match="--older-than must be 0 or more"):
         cli.main(["served", "purge", str(tmp_path), "--older-than", "-1"])
 

@@ -537,7 +537,8 @@ def read_store_facts(directory: Path) -> StoreFacts:
 
     try:
         data = json.loads((directory / STORE_FILE).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        # NotADirectoryError: ``directory`` is a file (``vllm-rsd served purge FILE``).
         raise DatastoreError(f"{directory} is not a served store: it has no {STORE_FILE}") \
             from None
     except ValueError as e:
