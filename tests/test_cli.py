@@ -333,3 +333,21 @@ def test_ctrl_c_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys):
         cli.main(["build-datastore", str(tmp_path), "-o", str(tmp_path / "ds")])
     assert exit.value.code == 130
     assert capsys.readouterr().err == "vllm-rsd: interrupted; no output was left half-written\n"
+
+
+def test_generate_corpus_refuses_a_task_or_offset_without_prompts(monkeypatch, tmp_path, capsys):
+    # Before: an unknown task, or an offset past the task's end, was a ValueError traceback
+    # (the second after importing vLLM).
+    from vllm_retrieval_spec.datastore import generate
+
+    monkeypatch.setattr(generate, "generate_corpus",
+                        lambda *args, **kwargs: pytest.fail("vLLM would have started"))
+    output = str(tmp_path / "corpus.jsonl")
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["generate-corpus", "--task", "nope", "-o", output])
+    assert exit.value.code == 2 and "argument --task: invalid choice: 'nope'" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^error: task 'code-gen' has 0 prompts from offset "
+                                         r"1000 on$"):
+        cli.main(["generate-corpus", "--task", "code-gen", "--prompt-offset", "1000",
+                  "-o", output])

@@ -18,8 +18,10 @@ from vllm_retrieval_spec.bench.commands import (
     TASK_PROMPTS,
     bench_command,
     calibrate_command,
+    check_prompt_counts,
     demo_command,
 )
+from vllm_retrieval_spec.bench.tasks import TASKS
 from vllm_retrieval_spec.config import METHODS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -127,10 +129,15 @@ def generate_corpus_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.bench.tasks import task_conversations
     from vllm_retrieval_spec.datastore.generate import generate_corpus
 
+    conversations = task_conversations(args.task, args.prompts, args.prompt_offset)
+    try:
+        # An offset past the task's end would reach vLLM with nothing to answer.
+        check_prompt_counts({args.task: len(conversations)}, args.prompts, args.prompt_offset)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     generate_corpus(
-        resolve_model(args.model), task_conversations(args.task, args.prompts, args.prompt_offset),
-        args.output, max_tokens=args.max_tokens, temperature=args.temperature, dtype=args.dtype,
-        overwrite=args.overwrite)
+        resolve_model(args.model), conversations, args.output, max_tokens=args.max_tokens,
+        temperature=args.temperature, dtype=args.dtype, overwrite=args.overwrite)
 
 
 def inspect_command(args: argparse.Namespace) -> None:
@@ -266,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="jsonl file to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--task", default="code-gen",
+    p.add_argument("--task", default="code-gen", choices=TASKS,
                    help="prompt set (see vllm_retrieval_spec/bench/tasks.py)")
     p.add_argument("--prompts", type=int_at_least(1), default=None,
                    help="how many (default: all)")
