@@ -351,3 +351,19 @@ def test_generate_corpus_refuses_a_task_or_offset_without_prompts(monkeypatch, t
                                          r"1000 on$"):
         cli.main(["generate-corpus", "--task", "code-gen", "--prompt-offset", "1000",
                   "-o", output])
+
+
+@pytest.mark.parametrize("command", [["generate-corpus", "-o", "corpus.jsonl"], ["calibrate"]])
+def test_a_model_without_a_tokenizer_is_refused_before_vllm(monkeypatch, tmp_path, command):
+    # Before: generate-corpus and calibrate handed the folder to vLLM, whose config loading
+    # ended in a traceback.
+    from vllm_retrieval_spec.bench import verify_cost
+    from vllm_retrieval_spec.datastore import generate
+
+    for module, name in ((generate, "generate_corpus"), (verify_cost, "measure")):
+        monkeypatch.setattr(module, name,
+                            lambda *args, **kwargs: pytest.fail("vLLM would have started"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"^error: cannot load a tokenizer from '.*empty'"):
+        cli.main([*command, "--model", str(tmp_path / "empty")])

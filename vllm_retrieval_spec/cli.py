@@ -135,8 +135,11 @@ def generate_corpus_command(args: argparse.Namespace) -> None:
         check_prompt_counts({args.task: len(conversations)}, args.prompts, args.prompt_offset)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    model = resolve_model(args.model)
+    # A model vLLM cannot load would end in its traceback; its tokenizer fails in one line.
+    load_tokenizer(model)
     generate_corpus(
-        resolve_model(args.model), conversations, args.output, max_tokens=args.max_tokens,
+        model, conversations, args.output, max_tokens=args.max_tokens,
         temperature=args.temperature, dtype=args.dtype, overwrite=args.overwrite)
 
 

@@ -154,9 +154,12 @@ def calibrate_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec import cli
     from vllm_retrieval_spec.bench.verify_cost import calibrated_options, measure
 
+    model = cli.resolve_model(args.model)
+    # A model vLLM cannot load would end in its traceback; its tokenizer fails in one line.
+    cli.load_tokenizer(model)
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
     with engine_output_to(None if args.verbose else log) as terminal:
-        rows = measure(cli.resolve_model(args.model), _integers(args.contexts),
+        rows = measure(model, _integers(args.contexts),
                        _integers(args.lengths), args.repeats, args.max_tokens, terminal)
     options = calibrated_options(rows)
     for row in rows:
