@@ -367,3 +367,28 @@ def test_a_model_without_a_tokenizer_is_refused_before_vllm(monkeypatch, tmp_pat
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match=r"^error: cannot load a tokenizer from '.*empty'"):
         cli.main([*command, "--model", str(tmp_path / "empty")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--contexts", "50,a"], "argument --contexts: 'a' is not an integer"),
+    (["--lengths", "0,-1,2"], "argument --lengths: must be 0 or more, got -1"),
+    (["--lengths", "1,2,3"], "error: calibration needs draft length 0 and at least two lengths "
+                             "of 2 or more; got [1, 2, 3]"),
+    (["--contexts", "50,1500"], "error: context 1500 is longer than the calibration text "
+                                "(1000 tokens); give --contexts of at most that"),
+    (["--contexts", "900", "--max-tokens", "1200"],
+     "error: context 900 + --max-tokens 1200 is over the engine's 2048 tokens"),
+])
+def test_calibrate_refuses_a_plan_it_cannot_measure_before_the_engine(monkeypatch, capsys,
+                                                                     argv, message):
+    # Before: bad numbers were a ValueError traceback; lengths without 0 failed only after
+    # every measurement; a context past the text was silently cut yet reported as asked.
+    from vllm_retrieval_spec.bench import tasks, verify_cost
+
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: None)
+    monkeypatch.setattr(tasks, "task_prompts", lambda *args: [list(range(1000))])
+    monkeypatch.setattr(verify_cost, "measure",
+                        lambda *args, **kwargs: pytest.fail("an engine would have started"))
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["calibrate", "--model", "m", *argv])
+    assert message in str(exit.value.code) + capsys.readouterr().err

@@ -74,6 +74,12 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def ints_at_least(low: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers, each ``>= low``."""
+    one = int_at_least(low)
+    return lambda text: [one(value) for value in text.split(",")]
+
+
 @functools.cache
 def load_tokenizer(model: str) -> Any:
     """``model``'s tokenizer, loaded once per process. A model without one (a typo in the name,
@@ -362,8 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure what verifying draft tokens costs on this "
                                          "machine; print the options to use")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--contexts", default="50,700", help="prompt lengths in tokens")
-    p.add_argument("--lengths", default="0,1,2,3,4,6,8,12,16", help="draft lengths")
+    p.add_argument("--contexts", type=ints_at_least(1), default="50,700",
+                   help="prompt lengths in tokens")
+    p.add_argument("--lengths", type=ints_at_least(0), default="0,1,2,3,4,6,8,12,16",
+                   help="draft lengths: 0 and at least two of 2 or more")
     p.add_argument("--repeats", type=int_at_least(1), default=3)
     p.add_argument("--max-tokens", type=int_at_least(1), default=32,
                    help="steps per measurement")

@@ -152,15 +152,21 @@ def check_prompt_lengths(prompts: dict[str, list[list[int]]], max_model_len: int
 def calibrate_command(args: argparse.Namespace) -> None:
     """What verifying draft tokens costs here, and the speculative_config options it implies."""
     from vllm_retrieval_spec import cli
-    from vllm_retrieval_spec.bench.verify_cost import calibrated_options, measure
+    from vllm_retrieval_spec.bench.verify_cost import (
+        calibrated_options, calibration_text, check_plan, measure)
 
     model = cli.resolve_model(args.model)
     # A model vLLM cannot load would end in its traceback; its tokenizer fails in one line.
-    cli.load_tokenizer(model)
+    tokenizer = cli.load_tokenizer(model)
+    try:
+        check_plan(args.contexts, args.lengths, args.max_tokens,
+                   len(calibration_text(tokenizer)))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
     with engine_output_to(None if args.verbose else log) as terminal:
-        rows = measure(model, _integers(args.contexts),
-                       _integers(args.lengths), args.repeats, args.max_tokens, terminal)
+        rows = measure(model, args.contexts, args.lengths, args.repeats, args.max_tokens,
+                       terminal)
     options = calibrated_options(rows)
     for row in rows:
         print(f"context {row['context_tokens']:5d} tokens, draft {row['draft_len']:3d} tokens: "
@@ -171,10 +177,6 @@ def calibrate_command(args: argparse.Namespace) -> None:
         Path(args.output).write_text(json.dumps({"options": options, "steps": rows}, indent=1)
                                      + "\n")
         print(f"wrote {args.output}")
-
-
-def _integers(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
 
 
 #: The demo's comparison: plain decoding, vLLM's two drafters, REST and hybrid on the stdlib

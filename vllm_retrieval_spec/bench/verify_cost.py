@@ -49,7 +49,7 @@ def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN, task_prompts
+    from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
 
     length_file = Path(tempfile.mkdtemp()) / "draft-length"
     length_file.write_text("0")
@@ -59,9 +59,7 @@ def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
               speculative_config={"method": "custom_class",
                                   "model": f"{__name__}.RejectedDraftProposer",
                                   "num_speculative_tokens": max(lengths)})
-    # News articles, concatenated: ordinary text, as long as needed.
-    text = [t for p in task_prompts("summarize", AutoTokenizer.from_pretrained(model), 4)
-            for t in p]
+    text = calibration_text(AutoTokenizer.from_pretrained(model))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     times: dict[tuple[int, int], list[float]] = {}
     runs = [(context, length) for _ in range(repeats) for context in contexts
@@ -81,6 +79,38 @@ def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
         llm.llm_engine.engine_core.shutdown()
     return [{"context_tokens": c, "draft_len": d, "ms_per_step_median": statistics.median(v),
              "ms_per_step": v} for (c, d), v in sorted(times.items())]
+
+
+def calibration_text(tokenizer: Any) -> list[int]:
+    """What ``measure`` cuts its contexts from: news articles, concatenated (ordinary text;
+    about 1,100 tokens, which bounds the contexts)."""
+    from vllm_retrieval_spec.bench.tasks import task_prompts
+
+    return [t for p in task_prompts("summarize", tokenizer, 4) for t in p]
+
+
+def check_plan(contexts: list[int], lengths: list[int], max_tokens: int,
+               text_tokens: int) -> None:
+    """Refuse, before an engine starts, what would otherwise fail or be mislabelled only
+    after every measurement: lengths ``calibrated_options`` cannot fit, a context longer than
+    the text (it would be cut short, yet reported at its asked length) or leaving no room for
+    ``max_tokens`` steps (vLLM would stop the run early, skewing ms per step)."""
+    from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
+
+    check_lengths(lengths)
+    for context in contexts:
+        if context > text_tokens:
+            raise ValueError(f"context {context} is longer than the calibration text "
+                             f"({text_tokens} tokens); give --contexts of at most that")
+        if context + max_tokens > MAX_MODEL_LEN:
+            raise ValueError(f"context {context} + --max-tokens {max_tokens} is over the "
+                             f"engine's {MAX_MODEL_LEN} tokens; lower one of them")
+
+
+def check_lengths(lengths: list[int]) -> None:
+    if 0 not in lengths or len({d for d in lengths if d >= 2}) < 2:
+        raise ValueError("calibration needs draft length 0 and at least two lengths of 2 or "
+                         f"more; got {sorted(set(lengths))}")
 
 
 #: A draft length whose step is this much slower than the trend of longer drafts is avoided.
@@ -106,9 +136,7 @@ def calibrated_options(rows: list[dict[str, Any]], max_draft_len: int | None = N
         if max_draft_len is not None and row["draft_len"] > max_draft_len:
             continue
         by_length.setdefault(row["draft_len"], []).append(row["ms_per_step_median"])
-    if 0 not in by_length or len([d for d in by_length if d >= 2]) < 2:
-        raise ValueError("calibration needs draft length 0 and at least two lengths of 2 or "
-                         f"more; measured {sorted(by_length)}")
+    check_lengths(list(by_length))
     base = statistics.mean(by_length[0])
     points = [(d, t) for d, times in by_length.items() if d >= 2 for t in times]
     mean_d = statistics.mean(d for d, _ in points)
