@@ -392,3 +392,27 @@ def test_calibrate_refuses_a_plan_it_cannot_measure_before_the_engine(monkeypatc
     with pytest.raises(SystemExit) as exit:
         cli.main(["calibrate", "--model", "m", *argv])
     assert message in str(exit.value.code) + capsys.readouterr().err
+
+
+def test_calibrate_checks_its_output_before_measuring_and_writes_it_whole(monkeypatch,
+                                                                          tmp_path):
+    # Before: -o was first touched after every measurement, where a directory or a path under
+    # a file was a traceback that lost them all.
+    from vllm_retrieval_spec.bench import tasks, verify_cost
+
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: None)
+    monkeypatch.setattr(tasks, "task_prompts", lambda *args: [list(range(1000))])
+    monkeypatch.setattr(verify_cost, "measure",
+                        lambda *args, **kwargs: pytest.fail("an engine would have started"))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="is a directory; give the path of the .json file"):
+        cli.main(["calibrate", "--model", "m", "-o", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^error: cannot create .*a-file/options.json"):
+        cli.main(["calibrate", "--model", "m", "-o", str(tmp_path / "a-file/options.json")])
+    rows = [{"context_tokens": 50, "draft_len": d, "ms_per_step_median": 10.0 + d,
+             "ms_per_step": [10.0 + d]} for d in (0, 2, 4)]
+    monkeypatch.setattr(verify_cost, "measure", lambda *args: rows)
+    output = tmp_path / "new/options.json"
+    cli.main(["calibrate", "--model", "m", "-o", str(output), "--verbose"])
+    assert json.loads(output.read_text())["steps"] == rows
+    assert [p.name for p in output.parent.iterdir()] == ["options.json"]

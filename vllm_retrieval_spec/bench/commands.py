@@ -163,6 +163,8 @@ def calibrate_command(args: argparse.Namespace) -> None:
                    len(calibration_text(tokenizer)))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if args.output:
+        _check_output_file(Path(args.output))
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
     with engine_output_to(None if args.verbose else log) as terminal:
         rows = measure(model, args.contexts, args.lengths, args.repeats, args.max_tokens,
@@ -174,9 +176,22 @@ def calibrate_command(args: argparse.Namespace) -> None:
     print("speculative_config options measured for this machine:")
     print(json.dumps(options))
     if args.output:
-        Path(args.output).write_text(json.dumps({"options": options, "steps": rows}, indent=1)
-                                     + "\n")
+        from vllm_retrieval_spec.atomic import atomic_path
+
+        with atomic_path(args.output) as temporary:
+            temporary.write_text(json.dumps({"options": options, "steps": rows}, indent=1)
+                                 + "\n")
         print(f"wrote {args.output}")
+
+
+def _check_output_file(output: Path) -> None:
+    """Before the measurements: a path found unwritable only afterwards costs them all."""
+    from vllm_retrieval_spec.datastore.format import make_output_dir
+
+    if output.is_dir():
+        raise SystemExit(f"error: {output} is a directory; give the path of the .json file "
+                         "to write")
+    make_output_dir(output.parent, output)
 
 
 #: The demo's comparison: plain decoding, vLLM's two drafters, REST and hybrid on the stdlib
