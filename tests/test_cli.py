@@ -416,3 +416,17 @@ def test_calibrate_checks_its_output_before_measuring_and_writes_it_whole(monkey
     cli.main(["calibrate", "--model", "m", "-o", str(output), "--verbose"])
     assert json.loads(output.read_text())["steps"] == rows
     assert [p.name for p in output.parent.iterdir()] == ["options.json"]
+
+
+def test_bench_refuses_a_datastore_that_is_not_one_before_any_engine(monkeypatch, tmp_path):
+    # Before: plain's engine started, and the rest row failed only when its own engine did.
+    from vllm_retrieval_spec.bench import throughput
+
+    monkeypatch.setattr(commands, "bench_prompts", lambda model, args: {"mine": [[1]]})
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: type("T", (), {
+        "encode": staticmethod(lambda text: [1])}))
+    monkeypatch.setattr(throughput, "run_benchmark",
+                        lambda *args, **kwargs: pytest.fail("an engine would have started"))
+    with pytest.raises(SystemExit, match=r"^error: datastore directory .*nowhere does not exist"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "rest", "--datastore",
+                  str(tmp_path / "nowhere"), "--sequential", "--output-dir", str(tmp_path)])

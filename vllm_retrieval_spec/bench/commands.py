@@ -23,9 +23,14 @@ def bench_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.bench.tasks import WARMUP_TEXT
     from vllm_retrieval_spec.bench.throughput import (
         BenchSettings, check_memory_for_interleaving, method_runs, run_benchmark)
+    from vllm_retrieval_spec.datastore.format import load_datastore
 
     model = cli.resolve_model(args.model)
     datastores = dict(datastore_entry(entry) for entry in args.datastore or [])
+    for directory in datastores.values():
+        # A missing or unfinished datastore would fail its rows only once the engines before
+        # them had started (minutes); its manifest and sizes are checked in milliseconds.
+        load_datastore(directory, verify_checksums=False)
     settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
                              concurrency=args.concurrency, interleave=not args.sequential)
     try:
