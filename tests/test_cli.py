@@ -430,3 +430,16 @@ def test_bench_refuses_a_datastore_that_is_not_one_before_any_engine(monkeypatch
     with pytest.raises(SystemExit, match=r"^error: datastore directory .*nowhere does not exist"):
         cli.main(["bench", "--model", str(tmp_path), "--methods", "rest", "--datastore",
                   str(tmp_path / "nowhere"), "--sequential", "--output-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("options, message", [
+    ("{bad", r"^error: --method-options is not JSON \(Expecting property name"),
+    ("[1]", r"^error: --method-options must be a JSON object of objects"),
+    ('{"rest": 3}', r"^error: --method-options must be a JSON object of objects"),
+])
+def test_bench_method_options_that_are_not_an_object_of_objects(tmp_path, options, message):
+    # Before: a list or a number was an AttributeError or TypeError traceback, and bad JSON
+    # an error that did not say which argument it was in.
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "rest",
+                  "--method-options", options])

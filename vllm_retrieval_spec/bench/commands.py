@@ -35,7 +35,7 @@ def bench_command(args: argparse.Namespace) -> None:
                              concurrency=args.concurrency, interleave=not args.sequential)
     try:
         runs = method_runs(args.methods.split(","), args.k, datastores,
-                           json.loads(args.method_options) if args.method_options else None)
+                           method_options(args.method_options))
         if not args.sequential:
             check_memory_for_interleaving(len(runs), model, settings)
         prompts = bench_prompts(model, args)
@@ -87,6 +87,20 @@ def engine_output_to(log: Path | None) -> Iterator[TextIO]:
 
 #: Prompts per benchmark task when ``--prompts`` is not given.
 TASK_PROMPTS = 20
+
+
+def method_options(text: str | None) -> dict[str, dict] | None:
+    """``--method-options``: a JSON object of one object per method (or row)."""
+    if not text:
+        return None
+    try:
+        options = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--method-options is not JSON ({e})") from None
+    if not (isinstance(options, dict) and all(isinstance(v, dict) for v in options.values())):
+        raise ValueError('--method-options must be a JSON object of objects, e.g. '
+                         '{"rest": {"max_occurrences": 32}}')
+    return options
 
 
 def datastore_entry(entry: str) -> tuple[str, str]:
