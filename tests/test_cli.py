@@ -77,6 +77,9 @@ def test_each_server_gets_its_own_metrics_directory(monkeypatch, tmp_path):
     (["--speculative-model", "rest", "--speculative-config", "{}"], "not both"),
     (["--datastore", "ds/x"], "--datastore goes with --speculative-model"),
     (["--speculative-model", "rest", "--speculative-options", "[1]"], "must be a JSON object"),
+    # Before: a JSONDecodeError traceback.
+    (["--speculative-model", "rest", "--speculative-options", "{top_n: 4}"],
+     r"^error: --speculative-options is not JSON \(Expecting property name"),
 ])
 def test_speculative_model_errors(exec_argv, argv, message):
     calls, model = exec_argv

@@ -198,7 +198,10 @@ def speculative_model_config(args: argparse.Namespace) -> str | None:
                 raise SystemExit(f"error: --{name.replace('_', '-')} goes with "
                                  f"--speculative-model")
         return None
-    options = json.loads(args.speculative_options) if args.speculative_options else {}
+    try:
+        options = json.loads(args.speculative_options) if args.speculative_options else {}
+    except ValueError as e:
+        raise SystemExit(f"error: --speculative-options is not JSON ({e})") from None
     if not isinstance(options, dict):
         raise SystemExit("error: --speculative-options must be a JSON object")
     config = {"method": args.speculative_model,
