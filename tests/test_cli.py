@@ -446,3 +446,14 @@ def test_bench_method_options_that_are_not_an_object_of_objects(tmp_path, option
     with pytest.raises(SystemExit, match=message):
         cli.main(["bench", "--model", str(tmp_path), "--methods", "rest",
                   "--method-options", options])
+
+
+def test_bench_output_dir_that_cannot_be_a_directory_is_one_line(monkeypatch, tmp_path):
+    # Before: a FileExistsError traceback when its log was opened.
+    monkeypatch.setattr(commands, "bench_prompts", lambda model, args: {"mine": [[1]]})
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: type("T", (), {
+        "encode": staticmethod(lambda text: [1])}))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match=r"^error: cannot create .*a-file \(File exists"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", "--output-dir",
+                  str(tmp_path / "a-file")])

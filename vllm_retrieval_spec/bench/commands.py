@@ -23,7 +23,7 @@ def bench_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.bench.tasks import WARMUP_TEXT
     from vllm_retrieval_spec.bench.throughput import (
         BenchSettings, check_memory_for_interleaving, method_runs, run_benchmark)
-    from vllm_retrieval_spec.datastore.format import load_datastore
+    from vllm_retrieval_spec.datastore.format import load_datastore, make_output_dir
 
     model = cli.resolve_model(args.model)
     datastores = dict(datastore_entry(entry) for entry in args.datastore or [])
@@ -44,6 +44,10 @@ def bench_command(args: argparse.Namespace) -> None:
         # Bad input or too little memory: say so before any engine starts, without a traceback.
         raise SystemExit(f"error: {e}") from None
     warmup_prompt = cli.load_tokenizer(model).encode(WARMUP_TEXT)
+    if args.output_dir:
+        # Its log goes there from the first engine on: a file in the way is named, not a
+        # traceback, before any engine starts.
+        make_output_dir(Path(args.output_dir), Path(args.output_dir))
     log = Path(args.output_dir or tempfile.gettempdir()) / f"{args.run_name}.log"
     with engine_output_to(None if args.verbose else log) as terminal:
         results = run_benchmark(model, runs, prompts, warmup_prompt, settings, args.run_name,
