@@ -49,6 +49,32 @@ def test_calibration_reads_cost_slope_and_the_costly_short_drafts():
     assert gpu == {"draft_token_cost": 0.01, "min_draft_len": 1, "draft_budget_ms": 0.7}
 
 
+def test_results_interrupted_while_written_leave_no_truncated_file(tmp_path, monkeypatch):
+    """A run stopped (Ctrl-C) while its results are written leaves each file whole or absent,
+    and an earlier run's files of the same name as they were."""
+    from vllm_retrieval_spec.bench import results as written
+
+    rows = [{"task": "code-gen", "method": "plain", "datastore": None, "speedup": 1.0,
+             "tokens_per_forward": 1.0, "outputs_equal_plain": True}]
+    results = {"run": "r", "date": "2026-11-27", "machine": "cpu", "model": "m",
+               "vllm": "0.32.0", "command": "vllm-rsd bench", "rows": rows,
+               "plain_outputs": [{"task": "code-gen", "prompt": [1], "output": [2]}]}
+    (tmp_path / "r.png").write_bytes(b"an earlier run's plot")
+
+    def interrupted(results, path):
+        path.write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(written, "write_plot", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        written.write_results(results, tmp_path)
+    assert (tmp_path / "r.png").read_bytes() == b"an earlier run's plot"
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == rows
+    assert json.loads((tmp_path / "r.plain.jsonl").read_text()) == results["plain_outputs"][0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "r.json", "r.md", "r.plain.jsonl", "r.png"]
+
+
 def test_plot_draws_every_tasks_bars(tmp_path):
     from vllm_retrieval_spec.bench.results import write_plot
 

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vllm_retrieval_spec.atomic import atomic_path
+
 
 def machine() -> str:
     """``cpu-2core``, or the GPU's name."""
@@ -52,11 +54,18 @@ def write_report(results: dict[str, Any], output_dir: str | Path,
     output_dir.mkdir(parents=True, exist_ok=True)
     json_path = output_dir / f"{results['run']}.json"
     md_path = output_dir / f"{results['run']}.md"
-    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    write_whole(json_path, json.dumps(results, indent=1) + "\n")
     where = [results["date"], results["machine"]]
     where += [results["model"]] if "model" in results else []
     where += [f"vLLM {results['vllm']}"] if "vllm" in results else []
     where.append(f"Python {platform.python_version()}")
-    md_path.write_text("\n".join([f"# {results['run']}", "", ", ".join(where), "",
-                                  f"`{results['command']}`", "", *body]) + "\n")
+    write_whole(md_path, "\n".join([f"# {results['run']}", "", ", ".join(where), "",
+                                    f"`{results['command']}`", "", *body]) + "\n")
     return json_path, md_path
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or is left as it was (an interrupted run truncates no
+    result)."""
+    with atomic_path(path) as temporary:
+        temporary.write_text(text)

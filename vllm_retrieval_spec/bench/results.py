@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_retrieval_spec.bench.report import markdown_table, write_report
+from vllm_retrieval_spec.atomic import atomic_path
+from vllm_retrieval_spec.bench.report import markdown_table, write_report, write_whole
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -180,10 +181,10 @@ def write_results(results: dict[str, Any], output_dir: str | Path) -> tuple[Path
         f"![speedup and tokens per forward]({png_path.name})", "", format_table(results["rows"]),
         "", "By half of the prompts (learning from served requests shows in the second):", "",
         format_halves_table(results["rows"])])
-    with open(Path(output_dir) / f"{results['run']}.plain.jsonl", "w") as f:
-        for record in plain_outputs:
-            f.write(json.dumps(record) + "\n")
-    write_plot(results, png_path)
+    write_whole(Path(output_dir) / f"{results['run']}.plain.jsonl",
+                "".join(json.dumps(record) + "\n" for record in plain_outputs))
+    with atomic_path(png_path) as temporary:
+        write_plot(results, temporary)
     return json_path, md_path, png_path
 
 
@@ -221,7 +222,7 @@ def write_plot(results: dict[str, Any], path: Path) -> Figure:
                frameon=False)
     fig.suptitle(f"{results['run']}: {results['model']}, {results['machine']}, "
                  f"vLLM {results['vllm']} (dashed: plain decoding)", fontsize=10)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
     return fig
 
