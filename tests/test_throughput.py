@@ -139,11 +139,20 @@ def test_method_options_for_one_row_override_the_methods():
     from vllm_retrieval_spec.bench.throughput import method_runs
 
     runs = method_runs(["hybrid:a", "hybrid:b"], 8, {"a": "/a", "b": "/b"},
-                       {"hybrid": {"num_speculative_tokens": 24, "served_weight": 1.0},
+                       {"hybrid": {"num_speculative_tokens": 24, "max_spec_factor": 1.0},
                         "hybrid:b": {"served_store": "off", "num_speculative_tokens": 8}})
     assert [(r.speculative_config["num_speculative_tokens"],
-             r.speculative_config.get("served_store"), r.speculative_config["served_weight"])
+             r.speculative_config.get("served_store"), r.speculative_config["max_spec_factor"])
             for r in runs[1:]] == [(24, None, 1.0), (8, "off", 1.0)]
+
+
+def test_a_bad_method_option_is_refused_before_any_engine():
+    from vllm_retrieval_spec.bench.throughput import method_runs
+
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['top_m'\] for method 'rest'"):
+        method_runs(["pld", "rest:a"], 8, {"a": "/a"}, {"rest": {"top_m": 4}})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        method_runs(["hybrid"], 8, {}, {"hybrid": {"num_speculative_tokens": 0}})
 
 
 def test_a_named_row_sits_beside_the_same_method_with_its_own_options():

