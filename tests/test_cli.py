@@ -150,6 +150,10 @@ def test_bench_unknown_method_is_an_error_not_a_traceback(tmp_path):
      "argument --batch-size: must be 1 or more, got 0"),
     (["generate-corpus", "-o", "x", "--max-tokens", "many"],
      "argument --max-tokens: 'many' is not an integer"),
+    (["generate-corpus", "-o", "x", "--temperature", "-1"],
+     "argument --temperature: must be 0.0 or more, got -1"),
+    (["generate-corpus", "-o", "x", "--temperature", "nan"],
+     "argument --temperature: must be 0.0 or more, got nan"),
 ])
 def test_counts_below_their_least_are_refused_by_the_parser(capsys, argv, message):
     # Before: a batch of 0 silently tokenised one document at a time, 0 prompts ran none.

@@ -1,4 +1,4 @@
-"""``vllm-rsd``: build and inspect datastores, serve, benchmark, and a demo of it all."""
+"""vllm-rsd: build and inspect datastores, serve, benchmark, and a demo of it all."""
 
 from __future__ import annotations
 
@@ -69,6 +69,20 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+        return value
+
+    return parse
+
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """An argparse type: a number ``>= low``, refused before an engine starts, not by it."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, got {text}")
         return value
 
     return parse
@@ -292,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-offset", type=int_at_least(0), default=0,
                    help="skip this many (keep benchmark prompts out of the datastore)")
     p.add_argument("--max-tokens", type=int_at_least(1), default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float_at_least(0.0), default=0.0,
+                   help="0: greedy (the model's own choices, what DReSD's keys assume)")
     p.add_argument("--dtype", default="float32", help="as served (our benchmarks use float32)")
     p.set_defaults(func=generate_corpus_command)
 
