@@ -122,8 +122,8 @@ def _prometheus_metrics() -> dict[str, object]:
             empty_lookups=Counter(p + "empty_lookups", "Draft attempts that found nothing",
                                   ["method"]),
             failed_drafts=Counter(
-                p + "failed_drafts", "Drafts dropped: exception, too_long, out_of_vocabulary "
-                "or over_budget", ["method", "kind"]),
+                p + "failed_drafts", "Drafts dropped: exception, too_long, out_of_vocabulary, "
+                "bad_tree or over_budget", ["method", "kind"]),
             output_tokens=Counter(p + "output_tokens",
                                   "Tokens sampled (accepted drafts + one per forward), "
                                   "including any past max_tokens or EOS in a request's last "
