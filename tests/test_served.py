@@ -100,7 +100,7 @@ def test_background_indexing_swaps_in_a_complete_snapshot():
         stop.set()
         reader.join()
         # Every snapshot a reader saw had its suffix array; the last holds everything.
-        assert all(tokens == sa for tokens, sa in snapshots)
+        assert snapshots and all(tokens == sa for tokens, sa in snapshots)
         assert len(store.index.tokens) == 50 * 201
         assert continuations(store, [48, 49]) == (2, sorted([[50, 51, 52, 53]] * 49))
     finally:
