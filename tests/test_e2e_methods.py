@@ -86,10 +86,14 @@ def test_greedy_beside_sampled_requests_equals_plain(spec_llm, code_prompts, pla
 
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=E2E_MAX_TOKENS, seed=3)
     params = [greedy() if i % 2 == 0 else sampled for i in range(4)]
+    before = spec_counters(spec_llm)
     outputs = spec_llm.generate([{"prompt_token_ids": p} for p in code_prompts[:4]], params,
                                 use_tqdm=False)
     for i in (0, 2):
         assert list(outputs[i].outputs[0].token_ids) == plain_outputs[i]
+    # Only drafts verified in the mixed batch go through the path the plugin mends.
+    after = spec_counters(spec_llm)
+    assert after["drafts"] > before["drafts"] and after["accepted"] > before["accepted"]
 
 
 def test_sampled_requests_keep_the_target_distribution(spec_llm, code_prompts, plain_outputs):
