@@ -172,6 +172,17 @@ def spec_counters(llm) -> dict[str, float]:
     return values
 
 
+def wait_for(condition, what: str, timeout_s: float = 120.0):
+    """``condition()``'s first truthy value, asked every half second: work an engine does in
+    the background (a snapshot, a journal read) takes longer on a loaded machine than any fixed
+    sleep allows for."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.5)
+    return value
+
+
 @contextlib.contextmanager
 def openai_server(model_dir: str, args: list[str], log_path: Path):
     """`vllm-rsd serve` (the console script a user runs) on 127.0.0.1; yields its base URL once

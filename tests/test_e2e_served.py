@@ -4,19 +4,31 @@ shared with an engine running beside it."""
 
 from __future__ import annotations
 
-import time
+import json
 
 import pytest
 
-from helpers import E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters
+from helpers import (
+    E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters, wait_for)
 from vllm_retrieval_spec.cli import main
-from vllm_retrieval_spec.datastore.format import load_datastore
+from vllm_retrieval_spec.datastore.format import DatastoreError, load_datastore
 from vllm_retrieval_spec.datastore.served_saver import list_snapshots
 
 pytestmark = pytest.mark.e2e
 
 #: Drafts up to 24 tokens, as the served store's evidence allows (README's recommendation).
 SPEC = {"method": "hybrid", "num_speculative_tokens": 24}
+
+
+def newest_snapshot(served, documents: int):
+    """The newest snapshot in ``served`` and its manifest, once it holds ``documents``
+    requests (a snapshot replaced while it is read is read again)."""
+    try:
+        snapshots = list_snapshots(served)
+        manifest = load_datastore(snapshots[0]).manifest if snapshots else None
+    except (OSError, DatastoreError):
+        return None
+    return (snapshots[0], manifest) if manifest and manifest.num_documents >= documents else None
 
 
 def accepted_per_pass(llm, prompts) -> tuple[list[list[int]], float]:
@@ -36,11 +48,11 @@ def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_
         first, first_accepted = accepted_per_pass(llm, code_prompts)
         second, second_accepted = accepted_per_pass(llm, code_prompts)
         stats = llm.collective_rpc("rsd_drafting_stats")[0]
-        time.sleep(5)
-        # Every request that left the batch was compacted into a snapshot, while the engine
+        # Every request that left the batch is compacted into a snapshot, while the engine
         # runs.
-        snapshot = list_snapshots(served)[0]
-        manifest = load_datastore(snapshot).manifest
+        snapshot, manifest = wait_for(
+            lambda: newest_snapshot(served, 2 * len(code_prompts) - 1),
+            "snapshot of every request that left the batch")
     finally:
         shutdown(llm)
     assert first == plain_outputs and second == plain_outputs
@@ -53,7 +65,6 @@ def test_served_store_learns_is_lossless_and_survives_a_restart(model_dir, code_
     total = sum(map(len, plain_outputs))
     assert second_accepted > first_accepted and second_accepted >= 0.75 * total
 
-    assert manifest.num_documents >= 2 * len(code_prompts) - 1
     assert manifest.sources == ["served requests"]
     main(["inspect", str(snapshot)])
 
@@ -116,19 +127,26 @@ def test_served_dense_store_indexes_generated_states_and_stays_lossless(
     try:
         first, _ = accepted_per_pass(llm, code_prompts)
         batched = generate_ids(llm, code_prompts[:4], greedy())
-        time.sleep(5)  # indexed in the background, then saved
-        stats = llm.collective_rpc("rsd_drafting_stats")[0]
+        # Indexed in the background, then saved with a snapshot.
+        keys = sum(map(len, plain_outputs)) - E2E_MAX_TOKENS
+
+        def indexed():
+            stats = llm.collective_rpc("rsd_drafting_stats")[0]
+            return stats if stats["served_dense_keys"] >= keys else None
+
+        stats = wait_for(indexed, "served dense key for every output token")
+        snapshot = wait_for(lambda: dense_snapshot(served, stats["served_dense_keys"]
+                                                   - 4 * E2E_MAX_TOKENS),
+                            "snapshot of the dense keys")
     finally:
         shutdown(llm)
     assert first == plain_outputs and batched == plain_outputs[:4]
     # Every generated token's state of every finished request (all but the batch's last
-    # requests, still tracked) is a key: at least one per output token of the first pass.
-    assert stats["served_dense_keys"] >= sum(map(len, plain_outputs)) - E2E_MAX_TOKENS
+    # requests, still tracked) became a key (waited for above): at least one per output token
+    # of the first pass.
     assert stats["served_dense_hits"] > 0
     # A datastore with a dense index (loadable, and checked against the model at restart).
-    snapshot = list_snapshots(served)[0]
     assert load_datastore(snapshot).manifest.sources == ["served requests"]
-    assert (snapshot / "dense" / "manifest.json").is_file()
 
     restarted = make_llm(model_dir, spec)
     try:
@@ -139,6 +157,17 @@ def test_served_dense_store_indexes_generated_states_and_stays_lossless(
     # Loaded at start-up (at least what the periodic save had), checked against the model.
     assert loaded >= stats["served_dense_keys"] - 4 * E2E_MAX_TOKENS
     assert again == plain_outputs[:4]
+
+
+def dense_snapshot(served, keys: int):
+    """The newest snapshot in ``served`` once its dense index holds ``keys`` keys."""
+    try:
+        snapshots = list_snapshots(served)
+        manifest = json.loads((snapshots[0] / "dense" / "manifest.json").read_text()) \
+            if snapshots else None
+    except (OSError, ValueError):
+        return None
+    return snapshots[0] if manifest and manifest["num_keys"] >= keys else None
 
 
 def test_two_engines_sharing_a_directory_draft_from_each_others_requests(
@@ -153,7 +182,10 @@ def test_two_engines_sharing_a_directory_draft_from_each_others_requests(
             served, _ = accepted_per_pass(first, code_prompts)
             # The first's last request leaves its batch with the next one: one more request.
             generate_ids(first, [code_prompts[0]], greedy())
-            time.sleep(3)  # flushed within 1 s, read by the second within 1 s more
+            # Flushed within 1 s, read by the second within 1 s more.
+            wait_for(lambda: second.collective_rpc("rsd_drafting_stats")[0]
+                     ["served_store_requests"] >= len(code_prompts),
+                     "request of the first engine's in the second's store")
             shared, shared_accepted = accepted_per_pass(second, code_prompts)
         finally:
             shutdown(second)
