@@ -9,7 +9,8 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 ``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
 used. Every step of a tree row costs the tree curve, chain-shaped ones too: vLLM runs a tree
-config in PIECEWISE CUDA-graph mode throughout, the mode the tree curve is measured in. The chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
+config in PIECEWISE CUDA-graph mode throughout, the mode the tree curve is measured in. The
+chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
 (``calibrated_options``, over the lengths chains verify): those are the accelerator defaults the
 curve implies, and our methods are replayed with its ``draft_token_cost`` and ``min_draft_len``
 (replay has no time budget), so their drafting rules see the measured cost. Every row is
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
             f"PIECEWISE throughout). Drafting is left out of the modelled speedup; `with "
             f"drafting` adds to every step the part of drafting it waits for (`critical "
             f"drafting`: everything but the drafts made ahead, which overlap the next forward), "
-            f"timed by replay on the machine this page names, not a GPU host. `ahead used`: the share of steps whose draft was made ahead "
-            f"(`precompute_drafts`, the accelerator's default).",
+            f"timed by replay on the machine this page names, not a GPU host. `ahead used`: "
+            f"the share of steps whose draft was made ahead (`precompute_drafts`, the "
+            f"accelerator's default).",
             "", f"What the chain curve implies (`vllm-rsd calibrate`'s rules, draft lengths up "
             f"to {CHAIN_LENGTHS}): `{json.dumps(calibrated)}`.",
             "", *markdown_table([("task", "task"), ("method", "method"),
