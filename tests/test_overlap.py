@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from helpers import VOCAB, batch, vllm_config
+from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
 from vllm_retrieval_spec.datastore import build_datastore_from_token_ids
 from vllm_retrieval_spec.datastore.suffix_array import build_suffix_array, suffix_followers
 from vllm_retrieval_spec.drafting.overlap import (
@@ -350,3 +351,38 @@ def test_a_draft_made_before_sampling_is_tied_to_the_state_it_was_drafted_from()
     # Made from index 1, which index 2 replaced: drafted again, from index 2.
     assert proposer.propose([[3]], lengths, tokens) == [[2, 2, 2]]
     assert dict(proposer.ahead.precomputed) == {"missed": 1}
+
+
+class Sevens(MethodDrafter):
+    """Drafts ``max_len`` sevens: a draft's length shows the cap it was made with."""
+
+    capabilities = Capabilities(precomputable=True)
+
+    def draft(self, row, context, max_len):
+        return np.full(max_len, 7, dtype=np.int32)
+
+    def followers(self, row, context):
+        return np.empty(0, dtype=np.int32), False
+
+
+def test_a_draft_made_before_sampling_lasts_only_its_step():
+    """vLLM calls no ``propose`` while a request of the batch is within k tokens of
+    max_model_len, but samples (and so drafts before sampling): that step's draft must not be
+    handed out at a later step to the request then in its row (before: it was, with the other
+    request's acceptance cap, and its bookkeeping went to the other request)."""
+    proposer = RetrievalProposer(vllm_config({"method": "pld", "num_speculative_tokens": 3,
+                                              "min_draft_len": 1}, WIDTH), Sevens())
+    assert proposer.capabilities.drafts_before_sampling
+    before, _ = batch([1, 2], width=WIDTH)
+    proposer.observe_batch(["a"])
+    proposer.draft_before_sampling([[3]], [[]], np.array([2]), before)
+    # No propose this step; "a" finishes and "c", with the same tokens and a poor acceptance
+    # record (cap 1), takes its row.
+    proposer.lengths.acceptance.rates["c"] = 0.05
+    proposer.observe_batch(["c"])
+    proposer.draft_before_sampling([[3]], [[]], np.array([2]), before)
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    assert proposer.propose([[3]], lengths, tokens) == [[7]]
+    proposer.after_handover()
+    assert proposer.lengths.last_drafted == {"c": 1}
+    assert dict(proposer.ahead.precomputed) == {"used": 1}

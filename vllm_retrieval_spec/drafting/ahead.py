@@ -48,10 +48,11 @@ class DraftAhead:
 
     def begin_batch(self, req_ids: list[str]) -> None:
         """Each row's precomputed drafts, found before sampling (the lookup after it is then
-        all that is left); those of requests that left the batch are dropped."""
-        if self.next_drafts:
-            self.row_ahead = [self.next_drafts.get(r) for r in req_ids]
-            self.next_drafts = {}
+        all that is left); those of requests that left the batch are dropped. Every step: one
+        vLLM called no ``propose`` for (a request near max_model_len) still drafted before
+        sampling, and those drafts, for its rows, must not pass for this step's."""
+        self.row_ahead = [self.next_drafts.get(r) for r in req_ids] if self.next_drafts else []
+        self.next_drafts = {}
 
     def for_row(self, row: int) -> NextDrafts | ReadyDraft | None:
         return self.row_ahead[row] if row < len(self.row_ahead) else None
