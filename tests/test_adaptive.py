@@ -79,6 +79,22 @@ def test_acceptance_of_finished_requests_goes_while_large_batches_turn_drafting_
     assert len(p.lengths.acceptance.rates) <= 2
 
 
+def test_a_preempted_request_resumes_without_its_last_draft_counted_as_rejected():
+    """vLLM drops a preempted request's draft unverified; when it resumes (its prefill samples
+    one token) that draft must not count as rejected. Before, its state stayed whenever
+    another request had joined as it left (the batch kept its size), and its cap shrank."""
+    p = proposer()
+    tokens, lengths = batch([5, 6], [5, 6], width=16)
+    p.observe_batch(["a", "b"])
+    assert [len(d) for d in p.propose([[6], [6]], lengths, tokens)] == [8, 8]
+    p.observe_batch(["c", "b"])  # "a" preempted as "c" joins
+    p.propose([[6], [6] * 9], lengths, tokens)
+    assert set(p.lengths.last_drafted) == {"c", "b"}
+    p.observe_batch(["a", "b"])  # "a" resumed, "c" preempted
+    p.propose([[6], [6] * 9], lengths, tokens)
+    assert "a" not in p.lengths.acceptance.rates
+
+
 def test_without_request_ids_or_with_adaptation_off_drafts_are_not_capped():
     tokens, lengths = batch([5, 6], width=16)
     p = proposer()

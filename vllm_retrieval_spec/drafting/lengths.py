@@ -73,12 +73,14 @@ class DraftLengths:
 
     def forget_except(self, req_ids: list[str]) -> None:
         """Drop the state of requests that left the batch."""
-        if len(self.last_drafted) > len(req_ids):
-            present = set(req_ids)
-            self.last_drafted = {r: n for r, n in self.last_drafted.items() if r in present}
-        # Checked on its own: a step with drafting off clears last_drafted, not the rates.
-        if self.acceptance is not None and len(self.acceptance.rates) > len(req_ids):
-            self.acceptance.forget_except(set(req_ids))
+        # By id, not by count: a request that left as another joined (preempted, to resume
+        # with a prefill) would keep its last draft, which vLLM dropped unverified, and have
+        # it counted as rejected when it is back.
+        present = set(req_ids)
+        for req_id in self.last_drafted.keys() - present:
+            del self.last_drafted[req_id]
+        if self.acceptance is not None:
+            self.acceptance.forget_except(present)
 
     def begin_step(self, now: int, running: int, rows: int, row_req_ids: list[str]) -> bool:
         """At ``now``, as ``propose`` starts: times the step since the last ``propose`` if it
