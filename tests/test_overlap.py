@@ -386,3 +386,36 @@ def test_a_draft_made_before_sampling_lasts_only_its_step():
     proposer.after_handover()
     assert proposer.lengths.last_drafted == {"c": 1}
     assert dict(proposer.ahead.precomputed) == {"used": 1}
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_a_failed_step_leaves_no_draft_behind(precompute):
+    """A step whose bookkeeping raised handed vLLM no drafts: the next step must not count the
+    drafts it had made as rejected, nor draft ahead from them (before: both, so the request's
+    cap shrank from 8 to 6)."""
+
+    class FailingOnce(Sevens):
+        failed = False
+
+        def followers(self, row, context):
+            return np.array([9], dtype=np.int32), True
+
+        def observe_sampled(self, step):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("bookkeeping")
+
+    proposer = RetrievalProposer(vllm_config({"method": "pld", "num_speculative_tokens": 8,
+                                              "min_draft_len": 1, "draft_before_sampling": False,
+                                              "precompute_drafts": precompute}, WIDTH),
+                                 FailingOnce())
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    assert proposer.propose([[3]], lengths, tokens) == [[]]
+    proposer.after_handover()
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3, 9], width=WIDTH)
+    assert proposer.propose([[9]], lengths, tokens) == [[7] * 8]
+    proposer.after_handover()
+    assert proposer.stats()["failed_exception"] == 1
+    assert "r" not in proposer.lengths.acceptance.rates

@@ -97,6 +97,12 @@ class DraftLengths:
         """A lone request's draft of ``tokens`` went out: its verification is timed."""
         self._alone = (req_id, tokens, tree, 0)
 
+    def no_drafts(self) -> None:
+        """This step's drafts did not go out (the step failed): none counts as drafted, and
+        the next step verifies none of a lone request's."""
+        self.last_drafted.clear()
+        self._alone = None
+
     def end_step(self) -> None:
         if self._alone is not None:
             self._alone = (*self._alone[:3], self.clock())

@@ -181,8 +181,21 @@ class RetrievalProposer(Drafter):
             # Each draft is guarded on its own (DraftGuard); this is the step's bookkeeping
             # around them, which must cost the step's drafts at most, never the engine.
             self.failures.record("exception", "raised while proposing", exc_info=True)
-            self.trees = {}
+            self._drop_drafts()
             return [[] for _ in sampled_token_ids]
+
+    def _drop_drafts(self) -> None:
+        """The step failed and vLLM gets no draft: what it had made must be neither counted
+        as drafted (the next step would count it as rejected) nor drafted ahead from."""
+        self.trees = {}
+        self.ahead.handed = []
+        self.ahead.row_ahead = []
+        # The acceptance updates of the drafts this step verified stand: those of the rows
+        # handed drafts made before sampling are left for settle, as they would have been.
+        for ready in self.ahead.ready_used:
+            self.lengths.defer_update(ready.req_id, len(ready.sampled), ready.last_drafted)
+        self.ahead.ready_used = []
+        self.lengths.no_drafts()
 
     def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                  token_ids_cpu: np.ndarray) -> list[list[int]]:
