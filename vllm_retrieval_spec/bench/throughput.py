@@ -91,9 +91,10 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
     datastore; the name may be left out when there is one datastore), ``/tree`` after one of
     ours for its tree drafts, ``@NAME`` last for a row set apart by ``method_options``'
     entry spelled so. Plain always comes first: the others are compared with it."""
-    import torch
+    from vllm.platforms import current_platform
 
-    platform = platform_defaults(is_cpu=not torch.cuda.is_available())
+    # The defaults the engine's own check reads (patches/engine_args.py).
+    platform = platform_defaults(current_platform.is_cpu())
     runs = [MethodRun("plain")]
     for spelled in specs:
         unnamed, _, row_name = spelled.partition("@")
