@@ -348,6 +348,24 @@ def test_unreadable_jsonl(tmp_path, tokenizer):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+def test_extensions_with_or_without_their_dot(tmp_path, tokenizer):
+    # Before: "py" matched every name ending in those letters, "happy" and "numpy" too.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for name, text in (("a.py", "import x"), ("b.MD", "hello world"), ("happy", "the a"),
+                       ("numpy", "if x"), ("c.txt", "print x")):
+        (folder / name).write_text(text)
+    expected = [t for doc in ("import x", "hello world") for t in [*ids(tokenizer, doc), SEPARATOR]]
+    for extensions in (["py", "md"], [".py", ".md"], [" py", ".MD"]):
+        build([folder], tmp_path / "out", tokenizer, extensions=extensions, overwrite=True)
+        assert load_datastore(tmp_path / "out").tokens.tolist() == expected, extensions
+    # An empty one (`--extensions py,`) would match every file.
+    with pytest.raises(DatastoreError, match=r"^extension '' is empty; give suffixes such as "
+                                             r"py or \.py$"):
+        build([folder], tmp_path / "empty", tokenizer, extensions=["py", ""])
+    assert not (tmp_path / "empty").exists()
+
+
 def test_missing_source_is_found_before_tokenizing(tmp_path, tokenizer):
     first = tmp_path / "first.txt"
     first.write_text("hello world")

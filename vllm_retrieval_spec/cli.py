@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--messages-field", default="messages",
                    help="jsonl field holding chat messages (rendered with the chat template)")
     p.add_argument("--extensions", default=".py",
-                   help="comma-separated file suffixes read from directories")
+                   help="comma-separated file suffixes read from directories, with or without "
+                        "their dot (py,md reads .py and .md files)")
     p.add_argument("--batch-size", type=int_at_least(1), default=256,
                    help="documents per tokenizer call")
     p.add_argument("--overwrite", action="store_true", help="replace an existing datastore")

@@ -21,6 +21,7 @@ from vllm_retrieval_spec.datastore.corpus import (
     DEFAULT_EXTENSIONS,
     CorpusStats,
     check_sources,
+    file_suffixes,
     iter_documents,
     write_token_id_stream,
     write_token_stream,
@@ -60,6 +61,8 @@ def build_datastore(
     """
     source_names = [os.fspath(s) for s in sources]
     check_sources(source_names)
+    # Checked here too, not only when the walk reaches a directory after earlier sources.
+    suffixes = file_suffixes(extensions)
     vocab_size = tokenizer_vocab_size(tokenizer)
 
     def write_tokens(writer: Int32StreamWriter, stats: CorpusStats) -> None:
@@ -69,7 +72,7 @@ def build_datastore(
             stats,
             text_field=text_field,
             messages_field=messages_field,
-            extensions=extensions,
+            extensions=suffixes,
         )
         write_token_stream(
             documents,
@@ -88,7 +91,7 @@ def build_datastore(
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=vocab_size,
         sources=source_names,
-        empty_hint=f"extensions {list(extensions)}",
+        empty_hint=f"extensions {list(suffixes)}",
         overwrite=overwrite,
         progress=progress,
     )

@@ -5,8 +5,9 @@ Sources:
     or a chat field (default "messages": a list of {"role", "content"}), rendered with the
     tokenizer's chat template so the stream looks like what the model reads and writes;
   * a directory: every file below it whose name ends with one of ``extensions`` (default
-    ``.py``), in sorted order; each file is one document (``.jsonl`` files are read as above);
-    binary, non-UTF-8 and unreadable files are skipped and counted;
+    ``.py``; "py" means ".py", see ``file_suffixes``), in sorted order; each file is one
+    document (``.jsonl`` files are read as above); binary, non-UTF-8 and unreadable files are
+    skipped and counted;
   * any other file (``.txt``, ``.md``, ...): one document.
 
 Documents are tokenised in batches (fast tokenizers spread a batch over all cores) and written
@@ -58,7 +59,7 @@ def iter_documents(
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            for file in _walk(path, tuple(e.lower() for e in extensions)):
+            for file in _walk(path, file_suffixes(extensions)):
                 if _is_jsonl(file):
                     yield from _read_jsonl(file, tokenizer, text_field, messages_field)
                     continue
@@ -89,6 +90,17 @@ def check_sources(sources: Sequence[str | Path]) -> None:
     for source in sources:
         if not Path(source).exists():
             raise DatastoreError(f"source {source} does not exist")
+
+
+def file_suffixes(extensions: Sequence[str]) -> tuple[str, ...]:
+    """``extensions`` as the lower-case suffixes a file name is matched with, each with its
+    dot: "py" and ".py" both mean ".py" (a bare "py" would match "happy" and "numpy" too)."""
+    suffixes = tuple("." + e.strip().lower().lstrip(".") for e in extensions)
+    if "." in suffixes:
+        # `--extensions py,` ends in one; unrefused, "" would match every file.
+        empty = extensions[suffixes.index(".")]
+        raise DatastoreError(f"extension {empty!r} is empty; give suffixes such as py or .py")
+    return suffixes
 
 
 def _walk(root: Path, extensions: tuple[str, ...]) -> Iterator[Path]:
