@@ -113,6 +113,28 @@ def test_fetch_model_refuses_a_name_it_cannot_fetch(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_fetch_model_refuses_a_path_that_holds_no_model(tmp_path, capsys):
+    """Before: any existing path was printed as the model's folder, with success."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    for path, reason in ((folder, "no config.json"), (tmp_path / "notes.txt", "a file"),
+                         (folder, "no safetensors or PyTorch weights")):
+        with pytest.raises(SystemExit, match=rf"^error: {path} is not a model folder "
+                                             rf"\({reason}\); give a folder holding config.json "
+                                             r"and its weights, or one of \['SmolLM2"):
+            cli.main(["fetch-model", str(path)])
+        assert capsys.readouterr().out == ""
+        (folder / "config.json").write_text("{}")
+    # Files that match the weight patterns but hold none are no weights (as for vLLM's loader).
+    (folder / "training_args.bin").write_bytes(b"")
+    with pytest.raises(SystemExit, match="no safetensors or PyTorch weights"):
+        cli.main(["fetch-model", str(folder)])
+    (folder / "model.safetensors").write_bytes(b"")
+    cli.main(["fetch-model", str(folder)])
+    assert capsys.readouterr().out == f"{folder}\n"
+
+
 def test_bench_refuses_more_engines_than_memory_holds_before_starting_any(monkeypatch, tmp_path):
     import psutil
 

@@ -195,10 +195,17 @@ def served_purge_command(args: argparse.Namespace) -> None:
 
 def fetch_model_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.assets import offline_model_names
+    from vllm_retrieval_spec.model_files import not_a_model_folder
 
-    # resolve_model passes any other name on for vLLM to load (a hub id); printed here, it
-    # would pass for a folder that was fetched.
-    if not Path(args.model).exists() and args.model not in offline_model_names():
+    # resolve_model passes any path and any other name on for vLLM to load (a hub id); printed
+    # here, either would pass for a model folder.
+    if Path(args.model).exists():
+        reason = not_a_model_folder(Path(args.model))
+        if reason is not None:
+            raise SystemExit(f"error: {args.model} is not a model folder ({reason}); give a "
+                             f"folder holding config.json and its weights, or one of "
+                             f"{list(offline_model_names())}")
+    elif args.model not in offline_model_names():
         raise SystemExit(f"error: cannot fetch {args.model!r} offline; the models fetched "
                          f"offline are {list(offline_model_names())}")
     print(resolve_model(args.model))
@@ -260,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("fetch-model", help="fetch and convert a model offline; print its folder")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="a name fetched offline, or a model folder (config.json and weights), "
+                        "printed as it is")
     p.set_defaults(func=fetch_model_command)
 
     p = sub.add_parser("build-datastore",

@@ -110,7 +110,7 @@ def _weight_locations(model_dir: Path) -> dict[str, Path]:
                     f"cannot read {index} ({e!r}); pass a folder holding the model's complete "
                     f"weights") from None
             return {name: model_dir / file for name, file in weight_map.items()}
-        files = [f for f in sorted(model_dir.glob(pattern)) if f.name not in NOT_WEIGHT_FILES]
+        files = _weight_files(model_dir, pattern)
         if files:
             locations: dict[str, Path] = {}
             for file in files:
@@ -118,6 +118,22 @@ def _weight_locations(model_dir: Path) -> dict[str, Path]:
                     locations.update(dict.fromkeys(names, file))
             return locations
     return {}
+
+
+def _weight_files(model_dir: Path, pattern: str) -> list[Path]:
+    return [f for f in sorted(model_dir.glob(pattern)) if f.name not in NOT_WEIGHT_FILES]
+
+
+def not_a_model_folder(path: Path) -> str | None:
+    """Why ``path`` is no model folder vLLM could load (a file, no config.json, no weights), or
+    None. Only names are looked at: a file's contents are vLLM's to judge."""
+    if not path.is_dir():
+        return "a file"
+    if not (path / "config.json").is_file():
+        return "no config.json"
+    if not any(_weight_files(path, pattern) for pattern, _ in WEIGHT_FORMATS):
+        return "no safetensors or PyTorch weights"
+    return None
 
 
 @contextmanager
