@@ -281,6 +281,14 @@ def test_dtype_and_shape_mismatch(store):
     with pytest.raises(DatastoreError, match=rf"this format needs int32 \[{num_tokens + 1}\]"):
         load_datastore(store)
 
+    # Written on a big-endian machine: the same dtype name, refused, and named as such.
+    tokens = np.load(store / TOKENS_FILE)
+    np.save(store / TOKENS_FILE, tokens.astype(">i4"))
+    edit_manifest(store, num_tokens=num_tokens)
+    with pytest.raises(DatastoreError, match=r"holds big-endian int32 .* the manifest records "
+                                             r"int32 .* this format needs int32"):
+        load_datastore(store, verify_checksums=False)
+
 
 def test_empty_corpus(tmp_path, tokenizer):
     src = tmp_path / "src"

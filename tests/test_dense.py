@@ -372,6 +372,28 @@ def test_keys_with_a_damaged_header_fail(tmp_path):
         DenseIndex.from_path(path)
 
 
+@pytest.mark.parametrize("name", ["keys.npy", "positions.npy", "mean.npy", "components.npy"])
+def test_arrays_in_another_byte_order_fail(tmp_path, name):
+    """An index written on a big-endian machine records the same dtype names ("float16"), and
+    np.load keeps the file's byte order. Before: accepted at start-up, then torch refused the
+    projection's arrays (a ValueError at the first decoding step) and numba the positions."""
+    from vllm_retrieval_spec.datastore.format import describe_file
+
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    file = path / DENSE_DIR / name
+    native = np.load(file)
+    np.save(file, native.astype(native.dtype.newbyteorder(">")))
+    manifest = json.loads((path / DENSE_DIR / "manifest.json").read_text())
+    manifest["files"][name] = describe_file(file)
+    (path / DENSE_DIR / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatastoreError, match=rf"{name} holds big-endian {native.dtype.name} "
+                                             rf"\[.*\], expected {native.dtype.name} "
+                                             r"\[.*\]; rebuild it with"):
+        DenseIndex.from_path(path, verify_checksums=False)
+
+
 def test_existing_index_needs_overwrite(tmp_path):
     states, labels = clustered_states(100)
     path = make_store(tmp_path, [labels.tolist()])

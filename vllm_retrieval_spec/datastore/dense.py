@@ -38,6 +38,7 @@ from vllm_retrieval_spec.datastore.format import (
     Datastore,
     DatastoreError,
     describe_file,
+    dtype_text,
     is_file_entry,
     file_sha256,
     load_datastore,
@@ -253,9 +254,13 @@ def check_dense_files(path: Path, manifest: DenseManifest, *, verify_checksums: 
             # numpy's own error would be a traceback; a damaged header is a rebuild.
             raise DatastoreError(
                 f"{file} is not a valid .npy file ({e}); {DENSE_REBUILD_HINT}") from None
-        if file_dtype.name != dtype or list(file_shape) != shape:
+        # Compared as dtypes, not names: np.load keeps a file's byte order, and an index
+        # written on a big-endian machine ("float16" too) would reach torch and numba, which
+        # refuse it only at the first drafting step.
+        if file_dtype != np.dtype(dtype) or list(file_shape) != shape:
             raise DatastoreError(
-                f"{file} holds {file_dtype.name} {list(file_shape)}, expected {dtype} {shape}; "
+                f"{file} holds {dtype_text(file_dtype)} {list(file_shape)}, expected {dtype} "
+                f"{shape}; "
                 f"{DENSE_REBUILD_HINT}")
         if verify_checksums and file_sha256(file) != entry["sha256"]:
             raise DatastoreError(f"{file} is corrupt (sha256 differs); {DENSE_REBUILD_HINT}")

@@ -280,10 +280,18 @@ def _check_array_header(
     recorded = (entry["dtype"], tuple(entry["shape"]))
     if (file_dtype.name, file_shape) != recorded or file_dtype != dtype or file_shape != shape:
         raise DatastoreError(
-            f"{file} holds {file_dtype.name} {list(file_shape)}; the manifest records "
+            f"{file} holds {dtype_text(file_dtype)} {list(file_shape)}; the manifest records "
             f"{recorded[0]} {list(recorded[1])} and this format needs {dtype.name} {list(shape)}; "
             f"{REBUILD_HINT}"
         )
+
+
+def dtype_text(dtype: np.dtype) -> str:
+    """A file's dtype as an error names it: its name, and its byte order when that is not this
+    machine's (the manifest records names only, which are the same for both orders)."""
+    if dtype.isnative:
+        return dtype.name
+    return f"{'big' if dtype.byteorder == '>' else 'little'}-endian {dtype.name}"
 
 
 def read_npy_header(file: Path) -> tuple[np.dtype, tuple[int, ...]]:
