@@ -423,6 +423,41 @@ def test_calibrate_refuses_a_plan_it_cannot_measure_before_the_engine(monkeypatc
     assert message in str(exit.value.code) + capsys.readouterr().err
 
 
+def test_calibrate_loads_the_tokenizer_and_its_text_once(monkeypatch):
+    # Before: calibrate loaded both to check its plan, and measure loaded both again.
+    from types import SimpleNamespace
+
+    import transformers
+    import vllm
+
+    from vllm_retrieval_spec.bench import tasks, verify_cost
+
+    loads, texts, prompts = [], [], []
+
+    class RecordingLLM:
+        def __init__(self, model, **kwargs):
+            self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
+
+        def generate(self, batch, params, use_tqdm=False):
+            prompts.append(batch[0]["prompt_token_ids"])
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda model: loads.append(model) or object())
+    monkeypatch.setattr(tasks, "task_prompts",
+                        lambda *args: texts.append(args) or [list(range(1000))])
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setenv(verify_cost.LENGTH_FILE_ENV, "")  # measure sets it; restored after
+    monkeypatch.setattr(verify_cost, "calibrated_options", lambda rows: {})
+    cli.load_tokenizer.cache_clear()
+    try:
+        cli.main(["calibrate", "--model", "m", "--contexts", "50", "--lengths", "0,2,4",
+                  "--repeats", "1", "--max-tokens", "4", "--verbose"])
+    finally:
+        cli.load_tokenizer.cache_clear()
+    assert loads == ["m"] and len(texts) == 1
+    assert prompts == [list(range(50))] * 4
+
+
 def test_calibrate_checks_its_output_before_measuring_and_writes_it_whole(monkeypatch,
                                                                           tmp_path):
     # Before: -o was first touched after every measurement, where a directory or a path under

@@ -395,10 +395,9 @@ def test_calibration_times_every_run_of_a_context_alike(monkeypatch):
     import time as real_time
     from types import SimpleNamespace
 
-    import transformers
     import vllm
 
-    from vllm_retrieval_spec.bench import tasks, verify_cost
+    from vllm_retrieval_spec.bench import verify_cost
 
     clock = [0.0]
     seen = set()
@@ -414,11 +413,10 @@ def test_calibration_times_every_run_of_a_context_alike(monkeypatch):
 
     monkeypatch.setenv(verify_cost.LENGTH_FILE_ENV, "")  # measure sets it; restored after
     monkeypatch.setattr(vllm, "LLM", CachingLLM)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda model: None)
-    monkeypatch.setattr(tasks, "task_prompts", lambda *args: [list(range(1000))])
     monkeypatch.setattr(verify_cost, "time", SimpleNamespace(perf_counter=lambda: clock[0],
                                                              sleep=real_time.sleep))
-    rows = verify_cost.measure("model", [50, 700], [0, 2, 4], repeats=2, max_tokens=32)
+    rows = verify_cost.measure("model", list(range(1000)), [50, 700], [0, 2, 4], repeats=2,
+                               max_tokens=32)
     # Before: the warm-up cached the 50-token context alone, so the first run of the 700-token
     # one (draft length 0, repeat 1) carried its whole prefill: 20 ms a step instead of 10,
     # and with --repeats 1 or 2 that went into the median and the calibrated options.
@@ -495,10 +493,13 @@ def test_verify_cost_results_name_the_model_measured(monkeypatch, tmp_path):
     import sys
     from types import SimpleNamespace
 
-    from vllm_retrieval_spec.bench import verify_cost
+    from vllm_retrieval_spec import cli
+    from vllm_retrieval_spec.bench import tasks, verify_cost
 
     model = tmp_path / "Other-Model"
     model.mkdir()
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: None)
+    monkeypatch.setattr(tasks, "task_prompts", lambda *args: [list(range(1000))])
     measured = []
     monkeypatch.setattr(verify_cost, "measure", lambda m, *args: measured.append(m) or [
         {"context_tokens": 50, "draft_len": 0, "ms_per_step": [1.0], "ms_per_step_median": 1.0}])

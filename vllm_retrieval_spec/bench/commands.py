@@ -180,18 +180,17 @@ def calibrate_command(args: argparse.Namespace) -> None:
 
     model = cli.resolve_model(args.model)
     # A model vLLM cannot load would end in its traceback; its tokenizer fails in one line.
-    tokenizer = cli.load_tokenizer(model)
+    text = calibration_text(cli.load_tokenizer(model))
     try:
-        check_plan(args.contexts, args.lengths, args.max_tokens,
-                   len(calibration_text(tokenizer)))
+        check_plan(args.contexts, args.lengths, args.max_tokens, len(text))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if args.output:
         _check_output_file(Path(args.output))
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
     with engine_output_to(None if args.verbose else log) as terminal:
-        rows = measure(model, args.contexts, args.lengths, args.repeats, args.max_tokens,
-                       terminal)
+        rows = measure(model, text, args.contexts, args.lengths, args.repeats,
+                       args.max_tokens, terminal)
     options = calibrated_options(rows)
     for row in rows:
         print(f"context {row['context_tokens']:5d} tokens, draft {row['draft_len']:3d} tokens: "

@@ -41,12 +41,12 @@ class RejectedDraftProposer:
         return [[0] * length if sampled else [] for sampled in sampled_token_ids]
 
 
-def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
+def measure(model: str, text: list[int], contexts: list[int], lengths: list[int], repeats: int,
             max_tokens: int, progress_file: Any = None) -> list[dict[str, Any]]:
-    """Median ms per step for every (context length, draft length); a progress bar on
-    ``progress_file`` (default stderr)."""
+    """Median ms per step for every (context length, draft length), each context the start of
+    ``text`` (``calibration_text``, which the caller has checked the plan against); a progress
+    bar on ``progress_file`` (default stderr)."""
     from tqdm import tqdm
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
@@ -59,7 +59,6 @@ def measure(model: str, contexts: list[int], lengths: list[int], repeats: int,
               speculative_config={"method": "custom_class",
                                   "model": f"{__name__}.RejectedDraftProposer",
                                   "num_speculative_tokens": max(lengths)})
-    text = calibration_text(AutoTokenizer.from_pretrained(model))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     times: dict[tuple[int, int], list[float]] = {}
     runs = [(context, length) for _ in range(repeats) for context in contexts
@@ -170,11 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-name", default="verify-cost")
     parser.add_argument("--output-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
-    from vllm_retrieval_spec.cli import resolve_model
+    from vllm_retrieval_spec.cli import load_tokenizer, resolve_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = resolve_model(args.model)
-    rows = measure(model, [int(c) for c in args.contexts.split(",")],
+    rows = measure(model, calibration_text(load_tokenizer(model)),
+                   [int(c) for c in args.contexts.split(",")],
                    [int(d) for d in args.lengths.split(",")], args.repeats, args.max_tokens)
     import vllm
 
