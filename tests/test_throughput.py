@@ -487,6 +487,29 @@ def test_a_method_that_fails_leaves_the_others_rows_and_says_why(monkeypatch, in
                                 [[0, 1, 2, 3]])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", "1,2,3"], "error: calibration needs draft length 0 and at least two lengths "
+                             "of 2 or more; got [1, 2, 3]"),
+    (["--contexts", "50,1500"], "error: context 1500 is longer than the calibration text "
+                                "(1000 tokens)"),
+    (["--contexts", "50,a"], "argument --contexts: 'a' is not an integer"),
+    (["--repeats", "0"], "argument --repeats: must be 1 or more, got 0"),
+])
+def test_verify_cost_main_checks_its_plan_before_the_engine(monkeypatch, capsys, argv, message):
+    """As ``vllm-rsd calibrate`` does. Before: the lab entry point started the engine on any
+    plan, and a bad one failed after every measurement (or as a ValueError traceback)."""
+    from vllm_retrieval_spec import cli
+    from vllm_retrieval_spec.bench import tasks, verify_cost
+
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: None)
+    monkeypatch.setattr(tasks, "task_prompts", lambda *args: [list(range(1000))])
+    monkeypatch.setattr(verify_cost, "measure",
+                        lambda *args, **kwargs: pytest.fail("an engine would have started"))
+    with pytest.raises(SystemExit) as exit:
+        verify_cost.main(["--model", "m", *argv])
+    assert message in str(exit.value.code) + capsys.readouterr().err
+
+
 def test_verify_cost_results_name_the_model_measured(monkeypatch, tmp_path):
     """The header's ``model`` is the model ``--model`` gave, not always the cached SmolLM2."""
     import json

@@ -176,15 +176,11 @@ def calibrate_command(args: argparse.Namespace) -> None:
     """What verifying draft tokens costs here, and the speculative_config options it implies."""
     from vllm_retrieval_spec import cli
     from vllm_retrieval_spec.bench.verify_cost import (
-        calibrated_options, calibration_text, check_plan, measure)
+        calibrated_options, checked_calibration_text, measure)
 
     model = cli.resolve_model(args.model)
     # A model vLLM cannot load would end in its traceback; its tokenizer fails in one line.
-    text = calibration_text(cli.load_tokenizer(model))
-    try:
-        check_plan(args.contexts, args.lengths, args.max_tokens, len(text))
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    text = checked_calibration_text(model, args.contexts, args.lengths, args.max_tokens)
     if args.output:
         _check_output_file(Path(args.output))
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"

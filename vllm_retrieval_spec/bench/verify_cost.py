@@ -88,6 +88,21 @@ def calibration_text(tokenizer: Any) -> list[int]:
     return [t for p in task_prompts("summarize", tokenizer, 4) for t in p]
 
 
+def checked_calibration_text(model: str, contexts: list[int], lengths: list[int],
+                             max_tokens: int) -> list[int]:
+    """``model``'s calibration text, once the plan has been checked against it (``check_plan``):
+    what ``vllm-rsd calibrate`` and ``main`` do before the engine starts. A bad plan, or a
+    model without a tokenizer, is a one-line SystemExit."""
+    from vllm_retrieval_spec.cli import load_tokenizer
+
+    text = calibration_text(load_tokenizer(model))
+    try:
+        check_plan(contexts, lengths, max_tokens, len(text))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return text
+
+
 def check_plan(contexts: list[int], lengths: list[int], max_tokens: int,
                text_tokens: int) -> None:
     """Refuse, before an engine starts, what would otherwise fail or be mislabelled only
@@ -159,23 +174,27 @@ def main(argv: list[str] | None = None) -> None:
         markdown_table, module_command, results_document, write_report)
     from vllm_retrieval_spec.bench.throughput import MODEL_NAME, reported_model
 
+    from vllm_retrieval_spec.cli import int_at_least, ints_at_least, resolve_model
+
+    # The types of `vllm-rsd calibrate`'s flags: a bad number is refused by the parser.
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=MODEL_NAME)
-    parser.add_argument("--contexts", default="50,700", help="prompt lengths in tokens")
-    parser.add_argument("--lengths", default="0,1,2,3,4,5,6,7,8", help="draft lengths")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32, help="steps per measurement")
+    parser.add_argument("--contexts", type=ints_at_least(1), default="50,700",
+                        help="prompt lengths in tokens")
+    parser.add_argument("--lengths", type=ints_at_least(0), default="0,1,2,3,4,5,6,7,8",
+                        help="draft lengths")
+    parser.add_argument("--repeats", type=int_at_least(1), default=3)
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=32,
+                        help="steps per measurement")
     parser.add_argument("--run-name", default="verify-cost")
     parser.add_argument("--output-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
-    from vllm_retrieval_spec.cli import load_tokenizer, resolve_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = resolve_model(args.model)
-    rows = measure(model, calibration_text(load_tokenizer(model)),
-                   [int(c) for c in args.contexts.split(",")],
-                   [int(d) for d in args.lengths.split(",")], args.repeats, args.max_tokens)
+    text = checked_calibration_text(model, args.contexts, args.lengths, args.max_tokens)
+    rows = measure(model, text, args.contexts, args.lengths, args.repeats, args.max_tokens)
     import vllm
 
     command = module_command("vllm_retrieval_spec.bench.verify_cost", argv)
