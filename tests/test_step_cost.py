@@ -88,6 +88,19 @@ def test_old_step_times_expire_and_their_length_is_measured_again():
     assert model.target(0) == 4 and model.summary()["step_ms_draft_0"] == 1.5 * DIPPED[0]
 
 
+def test_old_step_times_expire_on_tree_steps_too():
+    """Steps are counted alike, chain or tree: the check for old samples every
+    ``EXPIRE_EVERY`` steps must run on a tree step too (before: it was skipped, and a request
+    verifying trees kept the chain times of another speed for good)."""
+    model = StepCostModel(min_len=3, k=8)
+    for n in model.lengths:
+        for _ in range(MIN_SAMPLES):
+            model.observe(n, int(DIPPED[n] * MS))
+    learned = model.steps
+    while model.steps < learned + MAX_SAMPLE_AGE + EXPIRE_EVERY:
+        model.observe(12, int(60 * MS), tree=True)
+    assert model.medians == {} and model.chain_cost(8) is None
+
 def test_the_model_never_pads_where_draft_tokens_cost_time():
     model = StepCostModel(min_len=1, k=8)
     assert model.lengths == list(range(9))

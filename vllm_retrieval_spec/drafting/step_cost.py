@@ -87,12 +87,11 @@ class StepCostModel:
                 self.tree_last_seen = self.steps
                 if len(self.tree_samples) >= MIN_SAMPLES:
                     self.tree_extra_median = _median(self.tree_samples)
-            return
-        samples = self.samples.get(draft_len)
-        if samples is not None:
+        elif (samples := self.samples.get(draft_len)) is not None:
             samples.append((self.steps, step_ns))
             # Only this length's median changed: it runs inside propose.
             self._update(draft_len)
+        # Every step counts towards a sample's age, a tree step's too.
         if self.steps % EXPIRE_EVERY == 0:
             oldest = self.steps - MAX_SAMPLE_AGE
             for n, samples in self.samples.items():
