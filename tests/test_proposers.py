@@ -223,6 +223,48 @@ def test_prometheus_series_count_lookups_and_forwards(datastore):
         "output_tokens_total": 4}
 
 
+
+@pytest.mark.parametrize("ahead", ["none", "precompute", "before_sampling"])
+def test_a_request_without_room_to_draft_makes_no_lookup(ahead):
+    """k = 2, max_model_len 8: after its draft of 2 is accepted a request has 7 tokens and no
+    room for another (vLLM still calls propose: 6 + 2 fit). That is no draft attempt, however
+    its draft was made (before: a draft made ahead counted it as a lookup that found
+    nothing)."""
+    from prometheus_client import REGISTRY
+
+    from vllm_retrieval_spec.contract import Capabilities
+
+    class Sevens(MethodDrafter):
+        capabilities = Capabilities(precomputable=True)
+
+        def draft(self, row, context, max_len):
+            return np.full(max_len, 7, dtype=np.int32)
+
+        def followers(self, row, context):
+            return np.array([9], dtype=np.int32), True
+
+    def value(name):
+        return REGISTRY.get_sample_value(f"vllm_rsd:{name}_total", {"method": "pld"}) or 0
+
+    before = {name: value(name) for name in ("lookups", "empty_lookups")}
+    proposer = helpers.proposer(
+        {"method": "pld", "num_speculative_tokens": 2, "min_draft_len": 1,
+         "precompute_drafts": ahead == "precompute",
+         "draft_before_sampling": ahead == "before_sampling"}, 8, Sevens())
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3, 4])
+    assert proposer.propose([[4]], lengths, tokens) == [[7, 7]]
+    proposer.after_handover()
+    proposer.observe_batch(["r"])
+    if ahead == "before_sampling":
+        proposer.draft_before_sampling([[7, 7, 9]], [[7, 7]], np.array([4]), tokens)
+    tokens, lengths = batch([1, 2, 3, 4, 7, 7, 9])
+    assert proposer.propose([[7, 7, 9]], lengths, tokens) == [[]]
+    proposer.after_handover()
+    assert proposer.stats().get("precomputed_used", 0) == (ahead != "none")
+    assert {name: value(name) - before[name] for name in before} == {
+        "lookups": 1, "empty_lookups": 0}
+
 def test_injected_faults_cost_only_drafts(datastore):
     config = vllm_config({"method": "rest", "num_speculative_tokens": 4, "datastore": datastore,
                           "inject_faults": 1.0, "draft_budget_ms": 1.0})

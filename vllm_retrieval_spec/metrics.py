@@ -117,8 +117,8 @@ def _prometheus_metrics() -> dict[str, object]:
                 p + "drafting_critical_seconds", "Drafting time per engine step, whole batch, "
                 "from the sampled tokens being handed over to the drafts going back",
                 ["method"], buckets=_DRAFTING_BUCKETS),
-            lookups=Counter(p + "lookups", "Draft attempts (one per request per step)",
-                            ["method"]),
+            lookups=Counter(p + "lookups", "Draft attempts (one per request per step, where "
+                            "it has room to draft before max_model_len)", ["method"]),
             empty_lookups=Counter(p + "empty_lookups", "Draft attempts that found nothing",
                                   ["method"]),
             failed_drafts=Counter(

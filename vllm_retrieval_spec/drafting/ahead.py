@@ -98,7 +98,7 @@ class DraftAhead:
             self.row_ahead[i] = ReadyDraft(
                 req_id, i, list(tokens), context, snapshot,
                 self.lengths.padded_draft(context, draft) if pad and tree is None else draft,
-                tree, len(draft), last_drafted)
+                tree, len(draft), last_drafted, max_len)
 
     def precompute_next(self, tree_of_row: Callable[[int], bool], report: Callable[..., None],
                         forward_done: Callable[[], bool] = lambda: False) -> None:

@@ -208,6 +208,8 @@ class ReadyDraft:
     drafted: int
     #: The request's previous draft's length before padding.
     last_drafted: int
+    #: The longest draft it could be (0 or less: the request had no room, nothing was tried).
+    max_len: int
 
     def made_for(self, sampled: list[int], num_tokens: int, sources: Any) -> bool:
         """Whether the request sampled ``sampled`` and has ``num_tokens`` tokens, as this

@@ -238,7 +238,8 @@ class RetrievalProposer(Drafter):
         made = None if ahead is None else ahead.take(sampled, num_tokens, self.method.snapshot(i),
                                                      ([], None))
         if made is not None:
-            draft, tree = self._take_precomputed(req_id, sampled, made)
+            draft, tree = self._take_precomputed(req_id, sampled,
+                                                 ahead.max_lens[len(sampled) - 1], made)
         else:
             if ahead is not None:
                 self.ahead.precomputed["missed"] += 1
@@ -258,14 +259,14 @@ class RetrievalProposer(Drafter):
         self.ahead.hand(i, req_id, ready.context, ready.draft, copy=False)
         return ready.draft
 
-    def _take_precomputed(self, req_id: str, sampled: list[int],
+    def _take_precomputed(self, req_id: str, sampled: list[int], max_len: int,
                           made: tuple[list[int], TreeDraft | None]
                           ) -> tuple[list[int], TreeDraft | None]:
-        """A draft precomputed after the last handover (``NextDrafts``): its cap was known."""
+        """A draft precomputed after the last handover (``NextDrafts``), with ``max_len``: its
+        cap was known."""
         self.ahead.precomputed["used"] += 1
         self.lengths.defer_update(req_id, len(sampled), self.lengths.last_drafted.get(req_id, 0))
-        self._counts["lookups"] += 1
-        self._counts["empty_lookups"] += not made[0]
+        self._count_lookup(max_len, len(made[0]))
         return made
 
     def _draft_now(self, i: int, req_id: str | None, sampled: list[int],
@@ -273,10 +274,17 @@ class RetrievalProposer(Drafter):
         max_len = self.lengths.max_len(len(context), self.lengths.cap_now(req_id, len(sampled)))
         if max_len <= 0:
             return [], None
-        self._counts["lookups"] += 1
         draft, tree = self.guard.checked(i, context, max_len, self._tree_row(i))
-        self._counts["empty_lookups"] += not draft
+        self._count_lookup(max_len, len(draft))
         return draft, tree
+
+    def _count_lookup(self, max_len: int, drafted: int) -> None:
+        """A draft attempt of at most ``max_len`` tokens gave ``drafted``. A request with no
+        room to draft (``max_len`` <= 0, at max_model_len) made none, however its draft was
+        made: the metrics count attempts, and empty ones where the sources found nothing."""
+        if max_len > 0:
+            self._counts["lookups"] += 1
+            self._counts["empty_lookups"] += not drafted
 
     def _hand_out(self, i: int, req_id: str, draft: list[int], tree: TreeDraft | None,
                   context: np.ndarray, pad: bool) -> list[int]:
@@ -315,8 +323,7 @@ class RetrievalProposer(Drafter):
             self.ahead.precomputed["used"] += 1
             self.lengths.defer_update(ready.req_id, len(ready.sampled), ready.last_drafted)
             self.lengths.last_drafted[ready.req_id] = ready.drafted
-            self._counts["lookups"] += 1
-            self._counts["empty_lookups"] += not ready.drafted
+            self._count_lookup(ready.max_len, ready.drafted)
             self.lengths.padded += len(ready.draft) > ready.drafted
         self.ahead.ready_used = []
         self.lengths.settle()
