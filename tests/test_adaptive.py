@@ -128,3 +128,43 @@ def test_drafting_stops_at_the_batch_size_limit():
     # Two requests running (the third is prefilling): drafts; three: none.
     assert [len(d) for d in p.propose([[6], [6], []], lengths, tokens)] == [8, 8, 0]
     assert p.propose([[6], [6], [6]], lengths, tokens) == [[], [], []]
+
+
+def test_drafting_off_counts_every_request_that_samples_before_sampling_too():
+    """disable_by_batch_size 2: a greedy and a sampled request decode together. Before sampling
+    only the greedy one's tokens are known, but both sample: drafting is off there as in
+    ``propose`` (before: one running request was counted, and the greedy one was drafted for
+    in a step whose drafts ``propose`` then dropped)."""
+    from vllm_retrieval_spec.contract import Capabilities
+
+    class Counted(MethodDrafter):
+        capabilities = Capabilities(precomputable=True)
+        drafts = 0
+
+        def draft(self, row, context, max_len):
+            self.drafts += 1
+            return np.full(max_len, 7, dtype=np.int32)
+
+        def followers(self, row, context):
+            return np.empty(0, dtype=np.int32), False
+
+    method = Counted()
+    p = helpers.proposer({"method": "pld", "num_speculative_tokens": 3, "min_draft_len": 1,
+                          "disable_by_batch_size": 2, "draft_before_sampling": True},
+                         method=method)
+    assert p.capabilities.drafts_before_sampling
+    before, _ = batch([1, 2], [1, 2], [1, 2])
+    p.observe_batch(["g", "s"])
+    p.draft_before_sampling([[3], None], [[], []], np.array([2, 2]), before)
+    tokens, lengths = batch([1, 2, 3], [1, 2, 4])
+    assert p.propose([[3], [4]], lengths, tokens) == [[], []]
+    assert method.drafts == 0
+    # A row that samples nothing (a partial prefill) is not counted, here as there.
+    p.observe_batch(["g", "s", "p"])
+    p.draft_before_sampling([[3], None, []], [[], [], []], np.array([2, 2, 2]), before)
+    assert method.drafts == 0
+    p.observe_batch(["g", "p"])
+    p.draft_before_sampling([[3], []], [[], []], np.array([2, 2]), before)
+    tokens, lengths = batch([1, 2, 3], [1, 2])
+    assert p.propose([[3], []], lengths, tokens) == [[7, 7, 7], []]
+    assert method.drafts == 1 and p.stats()["precomputed_used"] == 1

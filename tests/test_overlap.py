@@ -15,6 +15,7 @@ from vllm_retrieval_spec.drafting.overlap import (
     greedy_sampled,
     precompute_plan,
     rank_followers,
+    sampled_before_sampling,
 )
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.sources.context import context_followers
@@ -419,3 +420,14 @@ def test_a_failed_step_leaves_no_draft_behind(precompute):
     proposer.after_handover()
     assert proposer.stats()["failed_exception"] == 1
     assert "r" not in proposer.lengths.acceptance.rates
+
+
+def test_sampled_before_sampling_knows_greedy_tokens_and_rows_that_sample_nothing():
+    """Per row: a greedy row's tokens, None for a row that samples tokens not known yet, and
+    nothing for a row whose sampled token vLLM discards (a partial prefill), greedy or not."""
+    logits = np.zeros((5, 10), dtype=np.float32)
+    logits[[0, 1, 2, 3, 4], [5, 6, 8, 2, 3]] = 1.0
+    # Rows: greedy with draft [5, 7] (logits 0-2), sampled (3), greedy partial prefill (4).
+    sampled, verified = sampled_before_sampling(logits, [2, 0, 0], [5, 7], [True, False, True],
+                                                [False, False, True])
+    assert sampled == [[5, 6], None, []] and verified == [[5, 7], [], []]

@@ -180,6 +180,39 @@ def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
     assert sample(runner, None, None) == "sampled"
 
 
+
+def test_a_row_whose_token_vllm_discards_samples_nothing_before_sampling():
+    """A greedy partial prefill has a row of logits, but vLLM discards its token
+    (``discard_request_mask``): the drafter hears that it samples nothing, and that a sampled
+    request samples tokens not known yet, as ``propose`` will count them."""
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    from vllm_retrieval_spec.contract import Capabilities, Drafter
+    from vllm_retrieval_spec.patches.drafter import with_drafts_before_sampling
+
+    SamplingParams = pytest.importorskip("vllm").SamplingParams
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.capabilities = Capabilities(drafts_before_sampling=True)
+    greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
+    runner = SimpleNamespace(
+        drafter=drafter, kv_caches=[],
+        requests={"g": greedy, "s": SimpleNamespace(
+            sampling_params=SamplingParams(temperature=0.8)), "p": greedy},
+        input_batch=SimpleNamespace(req_ids=["g", "s", "p"],
+                                    num_tokens_no_spec=np.array([2, 2, 1]),
+                                    token_ids_cpu=np.zeros((3, 4), dtype=np.int32)),
+        # vLLM's buffer has a row per request it may hold.
+        discard_request_mask=SimpleNamespace(np=np.array([False, False, True, False])))
+    logits = torch.zeros(3, 10)
+    logits[[0, 1, 2], [5, 6, 7]] = 1.0
+    sample = with_drafts_before_sampling(lambda runner, logits, metadata: "sampled")
+    assert sample(runner, logits, None) == "sampled"
+    drafter.report_failure.assert_not_called()
+    assert drafter.draft_before_sampling.call_args.args[:2] == ([[5], None, []], [[], [], []])
+
 def test_finished_requests_are_told_with_their_tokens_in_the_batch():
     """Before vLLM removes them: each finished request's row, every token sampled (those of
     steps vLLM called no propose for included); one not in the batch (preempted) has none."""

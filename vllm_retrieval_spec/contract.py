@@ -98,8 +98,8 @@ class Drafter(abc.ABC):
     def draft_before_sampling(self, sampled: list[list[int] | None], verified: list[list[int]],
                               num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> None:
         """Before sampling (``drafts_before_sampling``): row i will sample ``sampled[i]`` (None
-        where not known) after verifying ``verified[i]``, and has ``num_tokens_no_spec[i]``
-        tokens before them."""
+        where not known yet, empty where it samples nothing: a partial prefill) after verifying
+        ``verified[i]``, and has ``num_tokens_no_spec[i]`` tokens before them."""
 
     @abc.abstractmethod
     def search_ahead(self, states: Any) -> None:

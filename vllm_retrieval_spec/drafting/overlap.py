@@ -82,9 +82,11 @@ def greedy_sampled(draft: list[int], logits: np.ndarray) -> list[int]:
 
 
 def sampled_before_sampling(logits: np.ndarray, num_drafts: list[int], drafts: list[int],
-                            greedy: list[bool]) -> tuple[list[list[int] | None], list[list[int]]]:
-    """What each batch row will sample (None for rows that are not ``greedy``: their tokens
-    are not known before vLLM samples) and the draft it verifies, from a step's ``logits``.
+                            greedy: list[bool], discarded: np.ndarray
+                            ) -> tuple[list[list[int] | None], list[list[int]]]:
+    """What each batch row will sample and the draft it verifies, from a step's ``logits``:
+    nothing where vLLM discards the row's token (``discarded``: a partial prefill), None where
+    the row is not ``greedy`` (its tokens are not known before vLLM samples).
 
     Row i has ``num_drafts[i] + 1`` rows of logits, contiguous (``_calc_spec_decode_metadata``):
     one after each draft token's predecessor (the root first), then the bonus row; ``drafts``
@@ -95,7 +97,8 @@ def sampled_before_sampling(logits: np.ndarray, num_drafts: list[int], drafts: l
     for i, n in enumerate(num_drafts):
         draft = drafts[drafted:drafted + n]
         verified.append(draft)
-        sampled.append(greedy_sampled(draft, logits[row:row + n + 1]) if greedy[i] else None)
+        sampled.append([] if discarded[i] else
+                       greedy_sampled(draft, logits[row:row + n + 1]) if greedy[i] else None)
         row += n + 1
         drafted += n
     return sampled, verified

@@ -113,7 +113,8 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
             drafts = spec_decode_metadata.draft_token_ids.tolist()
         rows = logits.detach().cpu()
         rows = (rows if rows.dtype in (torch.float32, torch.float64) else rows.float()).numpy()
-        sampled, verified = sampled_before_sampling(rows, num_drafts, drafts, greedy)
+        sampled, verified = sampled_before_sampling(
+            rows, num_drafts, drafts, greedy, runner.discard_request_mask.np[:len(req_ids)])
         drafter.draft_before_sampling(sampled, verified, runner.input_batch.num_tokens_no_spec,
                                       runner.input_batch.token_ids_cpu)
     _drafting_timer(runner).add_before(time.perf_counter_ns() - start)

@@ -159,7 +159,8 @@ class RetrievalProposer(Drafter):
         ``propose`` hands each out if its row sampled exactly the tokens it was made for and
         drafts as before otherwise."""
         states, self.forward_states = self.forward_states, None
-        if self.drafting_off(sum(1 for tokens in sampled if tokens)):
+        # The rows propose counts: every one that samples, its tokens known yet (greedy) or not.
+        if self.drafting_off(sum(tokens != [] for tokens in sampled)):
             return
         if not self.method.capabilities.precomputable:
             if states is None:
