@@ -265,6 +265,38 @@ def test_a_request_without_room_to_draft_makes_no_lookup(ahead):
     assert {name: value(name) - before[name] for name in before} == {
         "lookups": 1, "empty_lookups": 0}
 
+
+def test_a_method_hears_which_drafts_the_step_verified_as_trees():
+    """``SampledStep.trees`` are the trees of the drafts the step verified, handed out by the
+    propose before it: hybrid's served dense store keeps a tree's accepted states apart from a
+    chain's, which are contiguous (before: it got the trees just handed out for the next step,
+    so a tree's path verified this step was read as a chain's states, and stored)."""
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
+
+    class TreeThenChain(MethodDrafter):
+        def __init__(self):
+            self.drafts = [TreeDraft(np.array([5, 6, 9], dtype=np.int32), np.array([-1, 0, -1]),
+                                     2, 0.6), np.array([7, 7, 7], dtype=np.int32)]
+            self.verified_trees = []
+
+        def draft(self, row, context, max_len):
+            return self.drafts.pop(0)
+
+        def observe_sampled(self, step):
+            self.verified_trees.append(sorted(step.trees))
+
+    method = TreeThenChain()
+    proposer = helpers.proposer({"method": "pld", "num_speculative_tokens": 3, "tree": "on",
+                                 "min_draft_len": 1}, method=method)
+    proposer.observe_batch(["r"], [True])
+    tokens, lengths = batch([1, 2, 3])
+    assert proposer.propose([[3]], lengths, tokens) == [[5, 6, 9]]
+    # The target took the branch: 9, then 4.
+    proposer.observe_batch(["r"], [True])
+    tokens, lengths = batch([1, 2, 3, 9, 4])
+    assert proposer.propose([[9, 4]], lengths, tokens) == [[7, 7, 7]]
+    assert method.verified_trees == [[], ["r"]]
+
 def test_injected_faults_cost_only_drafts(datastore):
     config = vllm_config({"method": "rest", "num_speculative_tokens": 4, "datastore": datastore,
                           "inject_faults": 1.0, "draft_budget_ms": 1.0})

@@ -45,7 +45,8 @@ class SampledStep:
     #: Drafts made before sampling that this step handed out (each holds a copy of its
     #: request's tokens).
     ready: list[ReadyDraft]
-    #: Request id -> tree, for this step's drafts that are trees.
+    #: Request id -> tree, for the drafts this step verified that were trees (handed out by the
+    #: last ``propose``): their accepted tokens' states are not contiguous.
     trees: dict[str, TreeDraft]
 
 
@@ -206,7 +207,7 @@ class RetrievalProposer(Drafter):
         now = self.lengths.clock()
         self.settle()
         self._pending = True
-        self.trees = {}
+        verified_trees, self.trees = self.trees, {}
         self.ahead.handed = []
         running = sum(1 for sampled in sampled_token_ids if sampled)
         pad = self.lengths.begin_step(now, running, len(sampled_token_ids), self.row_req_ids)
@@ -224,7 +225,7 @@ class RetrievalProposer(Drafter):
         self.ahead.row_ahead = []
         self.method.observe_sampled(SampledStep(
             self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-            self.ahead.ready_used, self.trees))
+            self.ahead.ready_used, verified_trees))
         return drafts
 
     def _propose_row(self, i: int, sampled: list[int], num_tokens: int,
