@@ -469,6 +469,36 @@ def test_purge_by_key_and_age_reaches_running_replicas_and_the_disk(tmp_path):
     assert replica(tmp_path, "h-3-c", keyed=True).stores.num_documents == 0
     assert [s.name for s in list_segments(tmp_path).values()] == []
 
+SECRET = [901, 902, 903, 904]
+
+
+def files_holding(path, tokens) -> list[str]:
+    """The files under ``path`` whose bytes hold ``tokens`` (int32, as journals and snapshots
+    keep them)."""
+    needle = np.asarray(tokens, dtype="<i4").tobytes()
+    return sorted(str(f.relative_to(path)) for f in path.rglob("*")
+                  if f.is_file() and needle in f.read_bytes())
+
+
+def test_a_purge_of_a_stopped_fleet_leaves_no_snapshot_holding_the_requests(tmp_path):
+    a = replica(tmp_path, "h-1-a", keyed=True)
+    serve(a, "1", SECRET, key="x")
+    serve(a, "2", [2, 2], key="y")
+    a.writer.flush()
+    a.compact(force=True)
+    a.close()
+    settle(tmp_path)
+    time.sleep(0.01)
+    assert purge(tmp_path, key="x")[1] == 1
+    # Before: the snapshot before the purge's stayed as its fallback, holding the request
+    # until two more were written: never, while the fleet is stopped.
+    assert files_holding(tmp_path, SECRET) == []
+    assert stored(replica(tmp_path, "h-2-b", keyed=True), "y") == [[2, 2]]
+    # Without a purge the snapshot before the newest stays, as the newest's fallback.
+    assert purge(tmp_path, key="z")[1] == 0
+    assert len(list_snapshots(tmp_path)) == 2
+
+
 def test_purge_leaves_a_just_sealed_segment_to_replicas_yet_to_read_it(tmp_path):
     a = replica(tmp_path, "h-1-a")
     b = replica(tmp_path, "h-2-b")

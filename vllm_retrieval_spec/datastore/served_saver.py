@@ -515,8 +515,9 @@ def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], 
     """After a snapshot including ``offsets`` was written: delete the segments it includes
     whole (or up to where they break) once their writer is done with them (sealed, or its
     process is gone) and they have been still for ``settle_s`` (a replica reading them a
-    little late still finds them); snapshots but the newest two; merge the purge files into
-    one. Returns the names of the segments deleted."""
+    little late still finds them); snapshots but the newest two, and the one before the
+    newest too if it holds a purged request; merge the purge files into one. Returns the
+    names of the segments deleted."""
     now = time.time()
     host = this_host()
     deleted = []
@@ -533,15 +534,36 @@ def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], 
         if included and done and idle >= settle_s:
             segment.path.unlink(missing_ok=True)
             deleted.append(segment.name)
-    for old in list_snapshots(directory)[2:]:
-        shutil.rmtree(old, ignore_errors=True)
     purges = purge_files(directory)
+    rules = read_purges(purges)
+    # The one before the newest is kept as the newest's fallback (``_load_snapshot``), but a
+    # fallback must not keep on disk what a purge removed.
+    for i, old in enumerate(list_snapshots(directory)[1:]):
+        if i > 0 or holds_purged(old, rules):
+            shutil.rmtree(old, ignore_errors=True)
     if len(purges) > 1:
         # The merged file first: a replica listing meanwhile sees every rule at least once.
-        write_purge(directory, read_purges(purges))
+        write_purge(directory, rules)
         for path in purges:
             path.unlink(missing_ok=True)
     return deleted
+
+
+def holds_purged(snapshot: Path, rules: PurgeRules) -> bool:
+    """Whether ``snapshot`` holds a request ``rules`` drop (its times and keys unreadable: it
+    may)."""
+    if not rules.before_ms and not rules.key_before_ms:
+        return False
+    try:
+        documents = np.load(snapshot / DOCUMENTS_FILE, mmap_mode="r")
+    except (OSError, ValueError):
+        return True
+    times = np.asarray(documents[:, 0]).astype(np.int64)
+    if (times < rules.before_ms).any():
+        return True
+    keys = np.asarray(documents[:, 2:])
+    return any((times[(keys == np.frombuffer(key, "<u8")).all(axis=1)] < before_ms).any()
+               for key, before_ms in rules.key_before_ms.items())
 
 
 def purge(directory: str | Path, *, key: str | None = None,
