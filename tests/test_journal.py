@@ -499,6 +499,33 @@ def test_a_purge_of_a_stopped_fleet_leaves_no_snapshot_holding_the_requests(tmp_
     assert len(list_snapshots(tmp_path)) == 2
 
 
+def test_a_running_replica_drops_purged_requests_from_its_journal_once_it_settled(
+        tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a", keyed=True)
+    b = replica(tmp_path, "h-2-b", keyed=True)
+    serve(a, "1", SECRET, key="x")
+    a.writer.flush()  # in a's open segment, which a purge cannot delete
+    serve(a, "2", SECRET[::-1], key="x")  # queued, not yet written
+    serve(a, "3", [2, 2], key="y")
+    time.sleep(0.01)
+    purge(tmp_path, key="x")
+    a.sync()
+    a.writer.flush()
+    b.sync()
+    # A queued request the purge drops is never written; the open segment is sealed at once.
+    assert files_holding(tmp_path, SECRET[::-1]) == []
+    assert files_holding(tmp_path, SECRET) == ["journal-h-1-a.0.sealed"]
+    # Before: it stayed until a's next scheduled snapshot (``served_save_minutes``), skipped
+    # if another was recent (the purge's), and its deletion waited for the one after.
+    assert a.compact_after_purge() is None  # not before the segment settled (SETTLE_S)
+    monkeypatch.setattr(served_saver, "SETTLE_S", 0.0)
+    assert a.compact_after_purge() is not None
+    assert files_holding(tmp_path, SECRET) == []
+    assert a.compact_after_purge() is None  # once per purge
+    assert stored(b, "y") == [[2, 2]] and stored(b, "x") == []
+    assert stored(replica(tmp_path, "h-3-c", keyed=True), "y") == [[2, 2]]
+
+
 def test_purge_leaves_a_just_sealed_segment_to_replicas_yet_to_read_it(tmp_path):
     a = replica(tmp_path, "h-1-a")
     b = replica(tmp_path, "h-2-b")

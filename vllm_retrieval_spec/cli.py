@@ -185,12 +185,13 @@ def served_purge_command(args: argparse.Namespace) -> None:
     if args.older_than is not None and args.older_than < 0:
         raise SystemExit("error: --older-than must be 0 or more hours")
     snapshot, removed = purge(args.directory, key=args.key, older_than_hours=args.older_than)
-    print("running replicas drop the purged requests within their flush interval (1 s); "
+    print("running replicas drop the purged requests from memory within their flush interval "
+          f"(1 s) and from their journals about {SETTLE_S:.0f} s later; "
           + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name} "
-             f"(journal segments open or sealed in the last {SETTLE_S:.0f} s: at the fleet's "
-             "next one)"
+             f"(stopped servers' journal segments sealed in the last {SETTLE_S:.0f} s: run "
+             "this again after that)"
              if snapshot is not None else
-             "a replica is writing a snapshot: the files lose them at the fleet's next one"))
+             "a replica is writing a snapshot: the files lose them at the running replicas' next ones"))
 
 
 def fetch_model_command(args: argparse.Namespace) -> None:

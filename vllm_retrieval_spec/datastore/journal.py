@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,15 +197,17 @@ class JournalWriter:
     loses at most the last interval.
 
     ``rotate`` seals the current segment: the next batch starts segment n + 1, and a snapshot
-    that includes a sealed segment whole lets it be deleted. ``background=False``: no thread,
-    the caller flushes (tests).
+    that includes a sealed segment whole lets it be deleted. ``drops``: records purged while
+    queued, never written. ``background=False``: no thread, the caller flushes (tests).
     """
 
     def __init__(self, directory: Path, replica: str, flush_s: float, *,
+                 drops: Callable[[Record], bool] | None = None,
                  background: bool = True) -> None:
         self.directory = directory
         self.replica = replica
         self.flush_s = flush_s
+        self.drops = drops
         self._queue: list[Record] = []
         self._queue_lock = threading.Lock()
         #: Held while writing, rotating and reading sizes: one writer at a time.
@@ -230,6 +232,8 @@ class JournalWriter:
         """Write and fsync everything queued (the thread calls this every interval)."""
         with self._queue_lock:
             batch, self._queue = self._queue, []
+        if self.drops is not None:
+            batch = [record for record in batch if not self.drops(record)]
         if not batch:
             return
         data = b"".join(map(encode_record, batch))

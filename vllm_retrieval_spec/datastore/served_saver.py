@@ -7,7 +7,8 @@ where that snapshot stopped including it (and again, on top, a snapshot written 
 While it serves, it reads the other replicas' new records every flush interval, and every
 ``compact_s`` seals its segment and, if no snapshot is younger than half that and nobody holds
 the lock, writes the next snapshot: what it holds, and how far into each segment that is.
-Segments a snapshot includes whole are then deleted once their writer is done with them.
+Segments a snapshot includes whole are then deleted once their writer is done with them. A new
+purge file seals the segment at once, and its snapshot follows once that segment settled.
 
 A snapshot is written by one replica while others append, so it cannot know exactly what
 their unread records hold: it records offsets, not contents, and a request read twice (the
@@ -304,7 +305,11 @@ class ServedDirectory:
             dense.wait_indexed()
         logger.info("served store %s: replica %s loaded %d requests from a snapshot and %d "
                     "from journals", self.path, self.replica, loaded, replayed)
-        self.writer = JournalWriter(self.path, self.replica, flush_s, background=background)
+        self.writer = JournalWriter(
+            self.path, self.replica, flush_s, background=background,
+            drops=lambda record: self.purges.drops(record.time_ms, record.key))
+        #: When this replica noticed a purge its journal may hold requests of (monotonic).
+        self._purged_at: float | None = None
         self.lock = CompactionLock(self.path, self.replica, LEASE_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -348,10 +353,17 @@ class ServedDirectory:
         """Read the other replicas' new records and new purges; drop what retention and
         purges say must go."""
         names = [p.name for p in purge_files(self.path)]
-        purged = names != self._purge_names
-        if purged:
+        purged = False
+        if names != self._purge_names:
             self._purge_names = names
-            self.purges = read_purges(self.path / name for name in names)
+            rules = read_purges(self.path / name for name in names)
+            # The same rules under a new name: purge files merged by a compaction.
+            purged, self.purges = rules != self.purges, rules
+        if purged:
+            # The open segment may hold purged requests: sealed, a snapshot can delete it
+            # once it settled (``compact_after_purge``).
+            self.writer.rotate()
+            self._purged_at = time.monotonic()
         self.apply(self.reader.poll())
         due = self.max_age_s and time.monotonic() - self._swept >= RETENTION_SWEEP_S
         if purged or due:
@@ -487,6 +499,18 @@ class ServedDirectory:
         finally:
             self.lock.release()
 
+    def compact_after_purge(self) -> Path | None:
+        """After a purge: once the segment sealed when it was noticed has settled
+        (``SETTLE_S``: the other replicas have read it), a snapshot whatever the schedule,
+        which deletes that segment and the purged requests with it; tried again at the next
+        poll while another replica holds the lock. Returns the snapshot written."""
+        if self._purged_at is None or time.monotonic() - self._purged_at < SETTLE_S:
+            return None
+        path = self.compact(force=True)
+        if path is not None:
+            self._purged_at = None
+        return path
+
     # --------------------------------------------------------------------------- life
 
     def _sync_forever(self) -> None:
@@ -494,6 +518,7 @@ class ServedDirectory:
         while not self._stop.wait(self.flush_s):
             try:
                 self.sync()
+                self.compact_after_purge()
                 if time.monotonic() >= next_compaction:
                     next_compaction = time.monotonic() + self.compact_s
                     self.compact()
@@ -571,12 +596,18 @@ def purge(directory: str | Path, *, key: str | None = None,
     """Remove served requests (of ``key``; finished more than ``older_than_hours`` ago; with
     neither, all) from a fleet's directory, running or not.
 
-    A purge file first: every replica applies it at its next poll (and every start-up after),
-    so the requests leave memory within a flush interval. Then, unless a replica is writing a
-    snapshot, a snapshot of everything else on disk, and the segments it includes are deleted
-    where their writers are done and they have been still for ``SETTLE_S``; a running
-    replica's open segment, and one sealed since, go at the fleet's next compaction. Returns
-    the snapshot written (None: left to the fleet) and the requests it removed."""
+    A purge file first: every replica applies it at its next poll (and every start-up after):
+    the requests leave its memory, and its journal queue unwritten, within a flush interval,
+    and it seals its open segment. Then, unless a replica is writing a snapshot, a snapshot of
+    everything else on disk; the segments it includes are deleted where their writers are done
+    and they have been still for ``SETTLE_S``, and the snapshot before it if it holds purged
+    requests. Each running replica writes a snapshot once the segment it sealed has settled
+    (``compact_after_purge``), which deletes the rest: the files lose the purged requests
+    within ``SETTLE_S`` and two flush intervals. But for a stopped fleet's segments sealed in
+    the last ``SETTLE_S`` (purge again once they settled), and the unsealed segment of a
+    replica killed on another host: at the first snapshot after ``FOREIGN_TEMPORARY_S`` (an
+    hour) without writes. Returns the snapshot written (None: left to the fleet) and the
+    requests it removed."""
     directory = Path(directory)
     facts = read_store_facts(directory)
     before = now_ms() - (int(3_600_000 * older_than_hours) if older_than_hours else 0)
