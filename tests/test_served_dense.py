@@ -369,3 +369,33 @@ def test_a_snapshots_keys_load_into_the_requests_it_keeps(tmp_path):
     for name, start in (("a", 100), ("c", 300)):
         found = candidate_lists(restored_dense, states[name][2], emitted=start + 4, top_n=1)[0]
         assert found == [[start + 5, start + 6, start + 7]]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_purged_requests_leave_the_dense_drafts_too(tmp_path, background):
+    """A purge (or the age limit) drops requests from the sparse store; their dense keys point
+    into the same documents and must not draft them either, also those queued for insertion."""
+    import time
+
+    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, purge
+
+    rng = np.random.default_rng(11)
+    store = ServedStore(1000, background=False)
+    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=background)
+    directory = ServedDirectory(tmp_path, store, TOKENIZER, dense=dense, flush_s=1.0,
+                                compact_s=60.0, model=model_facts(), background=False)
+    old = store.add("old", np.arange(100, 108, dtype=np.int32))
+    old_states = unit(rng, 5)
+    dense.add(old, old_states, np.arange(1, 6))
+    time.sleep(0.01)
+    purge(tmp_path)
+    new = store.add("new", np.arange(200, 208, dtype=np.int32))
+    new_states = unit(rng, 5)
+    dense.add(new, new_states, np.arange(1, 6))
+    directory.sync()
+    assert dense.wait_indexed()
+    assert [d.tolist() for d in store.documents()] == [list(range(200, 208))]
+    # Before: the purged request's keys went on drafting it until the ring overwrote them.
+    assert candidate_lists(dense, old_states[2], emitted=104, top_n=10)[0] == []
+    assert candidate_lists(dense, new_states[2], emitted=204, top_n=1)[0] == [[205, 206, 207]]
+    dense.close()

@@ -140,19 +140,20 @@ class ServedStore:
             self.refresh()
         return len(evicted)
 
-    def remove_where(self, drop: Callable[[int], bool]) -> int:
+    def remove_where(self, drop: Callable[[int], bool]) -> list[np.ndarray]:
         """Drop the requests whose finishing time (ms) ``drop`` is true of (retention, purges);
-        returns their number."""
+        returns their documents (the dense store's keys point into them)."""
         with self._lock:
             gone = [key for key, time_ms in self._times.items() if drop(time_ms)]
-            for key in gone:
-                self._num_tokens -= len(self._documents.pop(key))
+            documents = [self._documents.pop(key) for key in gone]
+            for key, document in zip(gone, documents):
+                self._num_tokens -= len(document)
                 del self._times[key]
             if gone:
                 self._changed()
         if gone and self._thread is None:
             self.refresh()
-        return len(gone)
+        return documents
 
     def _pop_oldest(self) -> np.ndarray:
         # Called with the lock held.
@@ -338,7 +339,7 @@ class KeyedServedStores:
         removed = 0
         with self._lock:
             for key, store in list(self._stores.items()):
-                removed += store.remove_where(lambda time_ms: drop(time_ms, key))
+                removed += len(store.remove_where(lambda time_ms: drop(time_ms, key)))
                 if not store.num_documents:
                     del self._stores[key]
                     store.close(wait=False)

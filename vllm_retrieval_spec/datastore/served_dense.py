@@ -14,7 +14,8 @@ are indexed once it is done.
 The keys live in an HNSW graph (hnswlib) that takes inserts: ScaNN 1.4.2 can upsert only into a
 searcher already trained on a database, which a store that starts empty does not have. Slots
 are a ring of ``max_keys``: once full, the oldest key's slot is overwritten by the newest
-(hnswlib updates a label in place), so the store is bounded without deletions. Memory per slot:
+(hnswlib updates a label in place), so the store is bounded without deletions; a purged request's
+slots are only emptied (``forget``), its keys stay in the graph until overwritten. Memory per slot:
 the graph's ``4 * dims + 8 * M + 16`` bytes (400 at dims 64, M 16) plus about 80 for its
 pointer into the tokens (a Python tuple), so 96 MB at 200,000 keys; the whole graph is
 allocated when the first key is inserted.
@@ -121,8 +122,8 @@ class ServedDenseStore:
         ``document`` position ``positions[j]``, the one that predicted the next token."""
         if not len(states):
             return
-        self._enqueue(document, np.asarray(positions, dtype=np.int64),
-                      np.asarray(states, dtype=np.float32), None)
+        self._enqueue((document, np.asarray(positions, dtype=np.int64),
+                       np.asarray(states, dtype=np.float32), None))
 
     def load_keys(self, documents: Sequence[np.ndarray], keys: np.ndarray,
                   positions: np.ndarray, projection: Projection) -> int:
@@ -142,7 +143,7 @@ class ServedDenseStore:
         for i, document in enumerate(documents):
             rows = np.flatnonzero(which == i)
             if len(rows):
-                self._enqueue(document, positions[rows] - starts[i], None, keys[rows])
+                self._enqueue((document, positions[rows] - starts[i], None, keys[rows]))
         return len(keys)
 
     def snapshot(self, documents: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -160,15 +161,39 @@ class ServedDenseStore:
                 np.empty((0, self.dims), dtype=np.float32)
         return np.asarray(keys, dtype=np.float32), np.asarray(positions, dtype=np.int64)
 
-    def _enqueue(self, document: np.ndarray, positions: np.ndarray, states: np.ndarray | None,
-                 keys: np.ndarray | None) -> None:
-        item = (document, positions, states, keys)
+    def forget(self, documents: Sequence[np.ndarray]) -> None:
+        """Draft nothing more from ``documents`` (requests purged or past the age limit): the
+        slots of their keys are emptied (the ring refills them), after the inserts already
+        queued, which may be theirs."""
+        if documents:
+            self._enqueue(_Forget(list(documents)))
+
+    def _enqueue(self, item: tuple | _Forget) -> None:
+        """``item``: an insert's arguments, or a forget."""
         if self._closed:
             return  # shut down: an insert here could race one the thread has not finished
         if self._queue is not None:
             self._queue.put(item)
         else:
+            self._apply(item)
+
+    def _apply(self, item: tuple | _Forget) -> None:
+        if isinstance(item, _Forget):
+            self._forget(item.documents)
+        else:
             self._insert(*item)
+
+    def _forget(self, documents: list[np.ndarray]) -> None:
+        gone = {id(document) for document in documents}
+        self._unfitted = [u for u in self._unfitted if id(u[0]) not in gone]
+        self._unfitted_states = sum(len(states) for _, _, states in self._unfitted)
+        # Found without the lock (only this thread writes slots), so searches are not skipped
+        # while ``max_keys`` slots are scanned.
+        slots = [slot for slot, key in enumerate(self._slots)
+                 if key is not None and id(key[0]) in gone]
+        with self._lock:
+            for slot in slots:
+                self._slots[slot] = None
 
     def project(self, states: Any) -> np.ndarray | None:
         """Unit queries [B, dims] for final hidden states [B, H] (torch, any device), or None
@@ -248,7 +273,7 @@ class ServedDenseStore:
                 item.set()
                 continue
             try:
-                self._insert(*item)
+                self._apply(item)
             except Exception:
                 # Drafting goes on from the keys indexed so far.
                 logger.exception("could not index a served request's hidden states")
@@ -302,6 +327,14 @@ class ServedDenseStore:
                 self._slots[slot] = (document, position)
             self._next_slot = int((self._next_slot + len(keys)) % self.max_keys)
             self.num_keys = min(self.max_keys, self.num_keys + len(keys))
+
+
+@dataclass(frozen=True)
+class _Forget:
+    """A queued ``ServedDenseStore.forget``: it holds the documents, so that their ids stay
+    theirs until it is applied."""
+
+    documents: list[np.ndarray]
 
 
 def document_starts(documents: Sequence[np.ndarray]) -> np.ndarray:
