@@ -15,8 +15,8 @@ thread pauses between rebuilds so that it takes at most a fifth of a core.
 Memory, for N stored tokens: 4N bytes of documents and 8N for the index (int32 tokens and
 suffix array), so 12 MB at 1 M tokens; a rebuild allocates about 16N more while it runs (the
 next index and divsufsort's working set). Measured at 1 M tokens on our CPU
-(benchmarks/results/served-store.md): a rebuild takes 0.11 s of one core and peaks at 16.5 MB,
-a lookup about 5 us (p50).
+(benchmarks/results/served-store.md): a rebuild takes about 0.1 s of one core and peaks at
+16.5 MB, a lookup about 5 us (p50).
 """
 
 from __future__ import annotations
