@@ -399,3 +399,37 @@ def test_purged_requests_leave_the_dense_drafts_too(tmp_path, background):
     assert candidate_lists(dense, old_states[2], emitted=104, top_n=10)[0] == []
     assert candidate_lists(dense, new_states[2], emitted=204, top_n=1)[0] == [[205, 206, 207]]
     dense.close()
+
+
+def test_a_request_read_twice_at_start_up_leaves_the_dense_drafts_when_purged(tmp_path):
+    """At start-up a request both in the snapshot (with its keys) and in the journal after the
+    snapshot's offsets (flushed after its writer listed them) is read twice: a purge must
+    still reach the keys loaded from the snapshot."""
+    import time
+
+    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, purge
+
+    rng = np.random.default_rng(12)
+    options = {"flush_s": 1.0, "compact_s": 60.0, "model": model_facts(), "background": False}
+    store = ServedStore(1000, background=False)
+    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
+    writer = ServedDirectory(tmp_path, store, TOKENIZER, dense=dense, **options)
+    document = store.add("r", np.arange(100, 108, dtype=np.int32))
+    states = unit(rng, 5)
+    dense.add(document, states, np.arange(1, 6))
+    writer.record(None, "r", document)
+    writer.compact(force=True)  # holds "r"; its offsets do not: it is flushed after
+    writer.writer.flush()
+    restored = ServedStore(1000, background=False)
+    restored_dense = ServedDenseStore(100, DIMS, background=False)
+    reader = ServedDirectory(tmp_path, restored, TOKENIZER, dense=restored_dense, **options)
+    assert restored.num_documents == 1 and restored_dense.num_keys == 5
+    assert candidate_lists(restored_dense, states[2], emitted=104, top_n=1)[0] == \
+        [[105, 106, 107]]
+    time.sleep(0.01)
+    purge(tmp_path)
+    reader.sync()
+    assert restored.num_documents == 0
+    # Before: the journal's copy replaced the snapshot's in the sparse store, and the purge
+    # forgot that copy only: the keys loaded from the snapshot went on drafting the request.
+    assert candidate_lists(restored_dense, states[2], emitted=104, top_n=10)[0] == []

@@ -108,9 +108,10 @@ class ServedStore:
     def add(self, key: Hashable, tokens: np.ndarray | Sequence[int],
             time_ms: int | None = None) -> np.ndarray | None:
         """Store a finished request's tokens under ``key``, replacing an earlier entry with that
-        key (a request vLLM preempted and resumed, or one read twice from disk); evict the
-        oldest requests while the store holds more than ``max_tokens``. A request longer than
-        the whole store keeps its end. ``time_ms``: when it finished (default: now).
+        key (a request vLLM preempted and resumed, or one read twice from disk: the same tokens
+        keep the stored array); evict the oldest requests while the store holds more than
+        ``max_tokens``. A request longer than the whole store keeps its end. ``time_ms``: when
+        it finished (default: now).
         Returns the stored array (the dense store's keys point into it), None if empty."""
         document = np.array(np.asarray(tokens)[-self.max_tokens:], dtype=np.int32)
         if not len(document):
@@ -119,6 +120,10 @@ class ServedStore:
             old = self._documents.pop(key, None)
             if old is not None:
                 self._num_tokens -= len(old)
+                if np.array_equal(old, document):
+                    # Read twice (a snapshot and the journal after it): the dense store's keys
+                    # point into the first copy, which a purge must find (``forget``).
+                    document = old
             self._documents[key] = document
             self._times[key] = now_ms() if time_ms is None else time_ms
             self._num_tokens += len(document)
