@@ -526,6 +526,40 @@ def test_a_running_replica_drops_purged_requests_from_its_journal_once_it_settle
     assert stored(replica(tmp_path, "h-3-c", keyed=True), "y") == [[2, 2]]
 
 
+def test_a_purge_file_merged_while_a_replica_lists_them_is_read_all_the_same(
+        tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a")
+    b = replica(tmp_path, "h-2-b")
+    serve(a, "1", SECRET)
+    a.writer.flush()
+    time.sleep(0.01)
+    rules = journal.PurgeRules()
+    rules.add(journal.now_ms(), None)
+    first = journal.write_purge(tmp_path, rules)
+    # A compaction merges it into another file between b's listing and its reading.
+    journal.write_purge(tmp_path, rules)
+    first.unlink()
+    real = journal.purge_files
+    for module in (journal, served_saver):  # wherever the listing is made: once, too early
+        listings = iter([[first]])
+        monkeypatch.setattr(module, "purge_files",
+                            lambda directory, listings=listings: next(listings, None)
+                            or real(directory))
+    b.sync()
+    # Before: the purge was read as no purge, and b stored the purged request it read.
+    assert stored(b) == []
+    assert b.purges == rules
+    # Merged again under another name: no new purge, b's open segment stays open.
+    monkeypatch.undo()
+    serve(b, "2", [2, 2])
+    b.writer.flush()
+    (merged,) = journal.purge_files(tmp_path)
+    journal.write_purge(tmp_path, rules)
+    merged.unlink()
+    b.sync()
+    assert [s.sealed for s in list_segments(tmp_path).values() if s.replica == "h-2-b"] == [False]
+
+
 def test_purge_leaves_a_just_sealed_segment_to_replicas_yet_to_read_it(tmp_path):
     a = replica(tmp_path, "h-1-a")
     b = replica(tmp_path, "h-2-b")

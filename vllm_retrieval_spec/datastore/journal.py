@@ -399,18 +399,22 @@ def write_purge(directory: Path, rules: PurgeRules) -> Path:
     return path
 
 
-def read_purges(paths: Iterable[Path]) -> PurgeRules:
-    """The rules of the purge files ``paths`` together."""
-    rules = PurgeRules()
-    for path in paths:
+def read_purges(directory: Path) -> tuple[list[Path], PurgeRules]:
+    """The purge files and their rules together. A file merged into another between the
+    listing and its reading (``served_saver.remove_obsolete``) is listed again: the merged
+    file is written before the files it merges are deleted, so the next listing has it."""
+    while True:
+        paths = purge_files(directory)
+        rules = PurgeRules()
         try:
-            data = json.loads(path.read_text())
+            for path in paths:
+                data = json.loads(path.read_text())
+                rules.add(int(data["before_ms"]), None)
+                for key, before_ms in data["keys"].items():
+                    rules.add(int(before_ms), bytes.fromhex(key))
         except FileNotFoundError:
-            continue  # merged into another purge file meanwhile
-        rules.add(int(data["before_ms"]), None)
-        for key, before_ms in data["keys"].items():
-            rules.add(int(before_ms), bytes.fromhex(key))
-    return rules
+            continue
+        return paths, rules
 
 
 def purge_files(directory: Path) -> list[Path]:

@@ -291,8 +291,8 @@ class ServedDirectory:
                         ", ".join(removed))
         self.salt = store_facts(self.path, tokenizer, self.keyed).salt
         adopt_legacy_store(self.path, tokenizer, self.replica)
-        self._purge_names = [p.name for p in purge_files(self.path)]
-        self.purges = read_purges(purge_files(self.path))
+        paths, self.purges = read_purges(self.path)
+        self._purge_names = [p.name for p in paths]
         #: Bumped by every change to the stores: a replica with nothing new writes no snapshot.
         self.changes = 0
         self._compacted_at_change = 0
@@ -352,11 +352,10 @@ class ServedDirectory:
     def sync(self) -> None:
         """Read the other replicas' new records and new purges; drop what retention and
         purges say must go."""
-        names = [p.name for p in purge_files(self.path)]
         purged = False
-        if names != self._purge_names:
-            self._purge_names = names
-            rules = read_purges(self.path / name for name in names)
+        if [p.name for p in purge_files(self.path)] != self._purge_names:
+            paths, rules = read_purges(self.path)
+            self._purge_names = [p.name for p in paths]
             # The same rules under a new name: purge files merged by a compaction.
             purged, self.purges = rules != self.purges, rules
         if purged:
@@ -562,8 +561,7 @@ def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], 
         if included and done and idle >= settle_s:
             segment.path.unlink(missing_ok=True)
             deleted.append(segment.name)
-    purges = purge_files(directory)
-    rules = read_purges(purges)
+    purges, rules = read_purges(directory)
     # The one before the newest is kept as the newest's fallback (``_load_snapshot``), but a
     # fallback must not keep on disk what a purge removed.
     for i, old in enumerate(list_snapshots(directory)[1:]):
@@ -618,7 +616,7 @@ def purge(directory: str | Path, *, key: str | None = None,
     rules = PurgeRules()
     rules.add(before, None if key is None else key_digest(key, facts.salt))
     write_purge(directory, rules)
-    rules = read_purges(purge_files(directory))
+    rules = read_purges(directory)[1]
     lock = CompactionLock(directory, new_replica_id(), LEASE_S)
     if not lock.acquire():
         return None, 0
