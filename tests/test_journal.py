@@ -526,6 +526,25 @@ def test_a_running_replica_drops_purged_requests_from_its_journal_once_it_settle
     assert stored(replica(tmp_path, "h-3-c", keyed=True), "y") == [[2, 2]]
 
 
+def test_a_replica_stopped_before_its_purge_snapshot_writes_it_at_its_next_start(
+        tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", SECRET)
+    a.writer.flush()  # in a's open segment, which the purge leaves to a
+    time.sleep(0.01)
+    purge(tmp_path)
+    a.sync()  # sealed; a is stopped before its snapshot follows
+    a.close()
+    monkeypatch.setattr(served_saver, "SETTLE_S", 0.0)
+    assert files_holding(tmp_path, SECRET) == ["journal-h-1-a.0.sealed"]
+    # Before: the next process never wrote that snapshot (nothing new to save), and the
+    # purged request stayed on disk until traffic and the next scheduled one.
+    assert replica(tmp_path, "h-1-b").compact_after_purge() is not None
+    assert files_holding(tmp_path, SECRET) == []
+    # Once: the start after that finds nothing purged on disk.
+    assert replica(tmp_path, "h-1-c").compact_after_purge() is None
+
+
 def test_a_purge_file_merged_while_a_replica_lists_them_is_read_all_the_same(
         tmp_path, monkeypatch):
     a = replica(tmp_path, "h-1-a")

@@ -328,6 +328,19 @@ class JournalWriter:
             self.flush()
 
 
+def first_record_ms(segment: Segment) -> int | None:
+    """When ``segment``'s first record finished, the earliest of its records (they are
+    appended as they finish); None where it has none."""
+    try:
+        with open(segment.path, "rb") as f:
+            data = f.read(_FRAME.size + _HEADER.size)
+    except FileNotFoundError:
+        return None
+    if len(data) < _FRAME.size + _HEADER.size or data[:len(MAGIC)] != MAGIC:
+        return None
+    return _HEADER.unpack_from(data, _FRAME.size)[0]
+
+
 class JournalReader:
     """Reads the records other replicas (and earlier processes) appended: each segment from
     where the last ``poll`` (or the snapshot loaded) stopped, complete records only."""
@@ -389,6 +402,10 @@ class PurgeRules:
             self.before_ms = max(self.before_ms, before_ms)
         else:
             self.key_before_ms[key] = max(self.key_before_ms.get(key, 0), before_ms)
+
+    def latest_ms(self) -> int:
+        """No request finished at or after this is dropped."""
+        return max([self.before_ms, *self.key_before_ms.values()])
 
 
 def write_purge(directory: Path, rules: PurgeRules) -> Path:

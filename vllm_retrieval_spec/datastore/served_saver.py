@@ -38,9 +38,9 @@ from vllm_retrieval_spec.datastore.format import (
 from vllm_retrieval_spec.datastore.journal import (
     DIR_MODE, FILE_MODE, NO_KEY, REPLICA, SETTLE_S, STORE_FILE, CompactionLock, JournalReader,
     JournalWriter, PurgeRules, Record, TokenizerFacts, check_keyed, check_tokenizer, doc_id,
-    fsync_directory, key_digest, list_segments, new_replica_id, now_ms, purge_files,
-    read_purges, remove_stale_temporaries, stale_segment, read_store_facts, store_facts,
-    this_host, write_purge)
+    first_record_ms, fsync_directory, key_digest, list_segments, new_replica_id, now_ms,
+    purge_files, read_purges, remove_stale_temporaries, stale_segment, read_store_facts,
+    store_facts, this_host, write_purge)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_dense import (
     ModelFacts, ServedDenseStore, document_starts)
@@ -308,8 +308,9 @@ class ServedDirectory:
         self.writer = JournalWriter(
             self.path, self.replica, flush_s, background=background,
             drops=lambda record: self.purges.drops(record.time_ms, record.key))
-        #: When this replica noticed a purge its journal may hold requests of (monotonic).
-        self._purged_at: float | None = None
+        #: When this replica noticed a purge its journal may hold requests of (monotonic);
+        #: at start-up, one whose snapshot a replica stopped before writing.
+        self._purged_at = time.monotonic() if self._files_hold_purged() else None
         self.lock = CompactionLock(self.path, self.replica, LEASE_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -501,6 +502,15 @@ class ServedDirectory:
         finally:
             self.lock.release()
 
+    def _files_hold_purged(self) -> bool:
+        """Whether a snapshot or a journal segment may hold a request the purges drop: one
+        holds it, or its first record (its earliest) finished before a purge's time."""
+        latest = self.purges.latest_ms()
+        return bool(latest) and (
+            any(holds_purged(path, self.purges) for path in list_snapshots(self.path))
+            or any((first := first_record_ms(segment)) is not None and first < latest
+                   for segment in list_segments(self.path).values()))
+
     def compact_after_purge(self) -> Path | None:
         """After a purge: once the segment sealed when it was noticed has settled
         (``SETTLE_S``: the other replicas have read it), a snapshot whatever the schedule,
@@ -604,7 +614,8 @@ def purge(directory: str | Path, *, key: str | None = None,
     everything else on disk; the segments it includes are deleted where their writers are done
     and they have been still for ``SETTLE_S``, and the snapshot before it if it holds purged
     requests. Each running replica writes a snapshot once the segment it sealed has settled
-    (``compact_after_purge``), which deletes the rest: the files lose the purged requests
+    (``compact_after_purge``; one stopped before that, once it starts again), which deletes
+    the rest: the files lose the purged requests
     within ``SETTLE_S`` and two flush intervals. But for a stopped fleet's segments sealed in
     the last ``SETTLE_S`` (purge again once they settled), and the unsealed segment of a
     replica killed on another host: at the first snapshot after ``FOREIGN_TEMPORARY_S`` (an
