@@ -499,6 +499,34 @@ def test_a_purge_of_a_stopped_fleet_leaves_no_snapshot_holding_the_requests(tmp_
     assert len(list_snapshots(tmp_path)) == 2
 
 
+def test_a_snapshot_whose_times_and_keys_are_damaged_is_taken_to_hold_purged_requests(
+        tmp_path):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", SECRET)
+    a.compact(force=True)
+    serve(a, "2", [2, 2])
+    damaged = a.compact(force=True)
+    a.close()
+    (damaged / served_saver.DOCUMENTS_FILE).write_bytes(b"")
+    rules = journal.PurgeRules()
+    rules.add(journal.now_ms(), b"z" * 16)
+    journal.write_purge(tmp_path, rules)
+    # Before: numpy's EOFError (a file cut to nothing) stopped the start-up check, and the
+    # first snapshot's clean-up.
+    b = replica(tmp_path, "h-2-b")
+    assert stored(b) == [[2, 2], SECRET]
+    newest = b.compact(force=True)
+    assert newest is not None and damaged not in list_snapshots(tmp_path)
+    b.close()
+    # A time changed: the file no longer has the checksum its snapshot records, and no longer
+    # loads. Before: it was read as it says.
+    assert served_saver.holds_purged(newest, rules) is False
+    documents = np.load(newest / served_saver.DOCUMENTS_FILE)
+    documents[0, 0] += 1
+    np.save(newest / served_saver.DOCUMENTS_FILE, documents)
+    assert served_saver.holds_purged(newest, rules) is True
+
+
 def test_a_running_replica_drops_purged_requests_from_its_journal_once_it_settled(
         tmp_path, monkeypatch):
     a = replica(tmp_path, "h-1-a", keyed=True)

@@ -586,13 +586,16 @@ def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], 
 
 
 def holds_purged(snapshot: Path, rules: PurgeRules) -> bool:
-    """Whether ``snapshot`` holds a request ``rules`` drop (its times and keys unreadable: it
-    may)."""
-    if not rules.before_ms and not rules.key_before_ms:
+    """Whether ``snapshot`` holds a request ``rules`` drop (its times and keys unreadable, or
+    not those its ``SERVED_FILE`` records: it may)."""
+    if not rules.latest_ms():
         return False
     try:
-        documents = np.load(snapshot / DOCUMENTS_FILE, mmap_mode="r")
-    except (OSError, ValueError):
+        served = json.loads((snapshot / SERVED_FILE).read_text())
+        if file_sha256(snapshot / DOCUMENTS_FILE) != served["documents_sha256"]:
+            return True
+        documents = np.load(snapshot / DOCUMENTS_FILE)
+    except (OSError, ValueError, KeyError, TypeError):
         return True
     times = np.asarray(documents[:, 0]).astype(np.int64)
     if (times < rules.before_ms).any():
