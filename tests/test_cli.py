@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -298,7 +300,16 @@ def test_served_purge_removes_a_keys_requests(tmp_path, capsys):
         served.record(digest, request_id, served.stores.add(digest, request_id, np.arange(3)))
     served.close()
     cli.main(["served", "purge", str(tmp_path), "--key", "x"])
-    assert "1 request(s) removed from the files" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 request(s) removed from the files" in out
+    # Before: the output said a stopped server's segments sealed in the last 30 s wait,
+    # whether any did or not; now it names those that hold purged requests.
+    (sealed,) = tmp_path.glob("journal-*.sealed")
+    assert f"still held by {sealed.name}" in out
+    os.utime(sealed, (time.time() - 60, time.time() - 60))
+    cli.main(["served", "purge", str(tmp_path), "--key", "x"])
+    assert "0 request(s) removed" in (out := capsys.readouterr().out)
+    assert "no file holds them any more" in out and not sealed.exists()
     after = replica()
     assert after.stores.get(after.key_of("x")) is None
     assert after.stores.get(after.key_of("y")).num_documents == 1

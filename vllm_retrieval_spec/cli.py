@@ -178,20 +178,25 @@ def inspect_command(args: argparse.Namespace) -> None:
 
 
 def served_purge_command(args: argparse.Namespace) -> None:
-    """Purge requests from a served store's directory, its replicas running or not."""
-    from vllm_retrieval_spec.datastore.journal import SETTLE_S
-    from vllm_retrieval_spec.datastore.served_saver import purge
+    """Purge requests from a served store's directory, its replicas running or not; say which
+    files still hold them."""
+    from vllm_retrieval_spec.datastore.journal import SETTLE_S, read_purges
+    from vllm_retrieval_spec.datastore.served_saver import LEASE_S, files_holding_purged, purge
 
     if args.older_than is not None and args.older_than < 0:
         raise SystemExit("error: --older-than must be 0 or more hours")
     snapshot, removed = purge(args.directory, key=args.key, older_than_hours=args.older_than)
-    print("running replicas drop the purged requests from memory within their flush interval "
-          f"(1 s) and from their journals about {SETTLE_S:.0f} s later; "
-          + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name} "
-             f"(stopped servers' journal segments sealed in the last {SETTLE_S:.0f} s: run "
-             "this again after that)"
+    waiting = files_holding_purged(Path(args.directory), read_purges(Path(args.directory))[1])
+    print("running servers drop the purged requests from memory within served_flush_ms and "
+          f"from their files about {SETTLE_S:.0f} s later; "
+          + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name}"
              if snapshot is not None else
-             "a replica is writing a snapshot: the files lose them at the running replicas' next ones"))
+             "no snapshot written: the compaction lock is held (a server writing one, or one "
+             f"killed while writing, for up to {LEASE_S / 60:.0f} minutes)")
+          + ("; still held by " + ", ".join(path.name for path in waiting)
+             + f" (a stopped server's: run this again once they have been still {SETTLE_S:.0f}"
+             " s, an hour for an unsealed one from another host)"
+             if waiting else "; no file holds them any more"))
 
 
 def fetch_model_command(args: argparse.Namespace) -> None:

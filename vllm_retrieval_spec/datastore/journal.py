@@ -328,17 +328,21 @@ class JournalWriter:
             self.flush()
 
 
-def first_record_ms(segment: Segment) -> int | None:
-    """When ``segment``'s first record finished, the earliest of its records (they are
-    appended as they finish); None where it has none."""
+def segment_holds_purged(segment: Segment, rules: PurgeRules) -> bool:
+    """Whether ``segment`` holds a request ``rules`` drop, or may (bytes past its readable
+    records). Its first record is its earliest (records are appended as they finish): one
+    at or after every rule's time spares reading the rest."""
     try:
         with open(segment.path, "rb") as f:
-            data = f.read(_FRAME.size + _HEADER.size)
+            head = f.read(_FRAME.size + _HEADER.size)
+            if len(head) == _FRAME.size + _HEADER.size and head.startswith(MAGIC) \
+                    and _HEADER.unpack_from(head, _FRAME.size)[0] >= rules.latest_ms():
+                return False
+            data = head + f.read()
     except FileNotFoundError:
-        return None
-    if len(data) < _FRAME.size + _HEADER.size or data[:len(MAGIC)] != MAGIC:
-        return None
-    return _HEADER.unpack_from(data, _FRAME.size)[0]
+        return False  # deleted meanwhile
+    records, consumed, _ = decode_records(data)
+    return consumed < len(data) or any(rules.drops(r.time_ms, r.key) for r in records)
 
 
 class JournalReader:

@@ -38,9 +38,9 @@ from vllm_retrieval_spec.datastore.format import (
 from vllm_retrieval_spec.datastore.journal import (
     DIR_MODE, FILE_MODE, NO_KEY, REPLICA, SETTLE_S, STORE_FILE, CompactionLock, JournalReader,
     JournalWriter, PurgeRules, Record, TokenizerFacts, check_keyed, check_tokenizer, doc_id,
-    first_record_ms, fsync_directory, key_digest, list_segments, new_replica_id, now_ms,
-    purge_files, read_purges, remove_stale_temporaries, stale_segment, read_store_facts,
-    store_facts, this_host, write_purge)
+    fsync_directory, key_digest, list_segments, new_replica_id, now_ms, purge_files,
+    read_purges, remove_stale_temporaries, segment_holds_purged, stale_segment,
+    read_store_facts, store_facts, this_host, write_purge)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_dense import (
     ModelFacts, ServedDenseStore, document_starts)
@@ -309,8 +309,9 @@ class ServedDirectory:
             self.path, self.replica, flush_s, background=background,
             drops=lambda record: self.purges.drops(record.time_ms, record.key))
         #: When this replica noticed a purge its journal may hold requests of (monotonic);
-        #: at start-up, one whose snapshot a replica stopped before writing.
-        self._purged_at = time.monotonic() if self._files_hold_purged() else None
+        #: at start-up, if files hold purged requests (a replica stopped before its snapshot).
+        self._purged_at = time.monotonic() \
+            if files_holding_purged(self.path, self.purges) else None
         self.lock = CompactionLock(self.path, self.replica, LEASE_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -502,15 +503,6 @@ class ServedDirectory:
         finally:
             self.lock.release()
 
-    def _files_hold_purged(self) -> bool:
-        """Whether a snapshot or a journal segment may hold a request the purges drop: one
-        holds it, or its first record (its earliest) finished before a purge's time."""
-        latest = self.purges.latest_ms()
-        return bool(latest) and (
-            any(holds_purged(path, self.purges) for path in list_snapshots(self.path))
-            or any((first := first_record_ms(segment)) is not None and first < latest
-                   for segment in list_segments(self.path).values()))
-
     def compact_after_purge(self) -> Path | None:
         """After a purge: once the segment sealed when it was noticed has settled
         (``SETTLE_S``: the other replicas have read it), a snapshot whatever the schedule,
@@ -603,6 +595,15 @@ def holds_purged(snapshot: Path, rules: PurgeRules) -> bool:
     keys = np.asarray(documents[:, 2:])
     return any((times[(keys == np.frombuffer(key, "<u8")).all(axis=1)] < before_ms).any()
                for key, before_ms in rules.key_before_ms.items())
+
+
+def files_holding_purged(directory: Path, rules: PurgeRules) -> list[Path]:
+    """The snapshots and journal segments in ``directory`` that hold a request ``rules`` drop
+    (or may: unreadable)."""
+    if not rules.latest_ms():
+        return []
+    return [path for path in list_snapshots(directory) if holds_purged(path, rules)] + \
+        [s.path for s in list_segments(directory).values() if segment_holds_purged(s, rules)]
 
 
 def purge(directory: str | Path, *, key: str | None = None,
