@@ -573,6 +573,27 @@ def test_a_replica_stopped_before_its_purge_snapshot_writes_it_at_its_next_start
     assert replica(tmp_path, "h-1-c").compact_after_purge() is None
 
 
+def test_a_snapshot_finished_while_a_replica_takes_the_lock_is_numbered_over(
+        tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-9-a")
+    b = replica(tmp_path, "h-1-b")
+    serve(a, "1", [1, 1])
+    a.compact(force=True)
+    serve(b, "2", [2, 2])
+    acquire = b.lock.acquire
+
+    def a_finishes_first() -> bool:
+        # As when b retries after a purge every poll while a writes a snapshot.
+        a.compact(force=True)
+        return acquire()
+
+    monkeypatch.setattr(b.lock, "acquire", a_finishes_first)
+    written = b.compact(force=True)
+    # Before: b numbered its snapshot from a listing made before a's, a's sorted as the
+    # newest, and b's, which includes more of the journals, was left as the fallback.
+    assert list_snapshots(tmp_path)[0] == written
+
+
 def test_a_purge_file_merged_while_a_replica_lists_them_is_read_all_the_same(
         tmp_path, monkeypatch):
     a = replica(tmp_path, "h-1-a")

@@ -486,6 +486,8 @@ class ServedDirectory:
             return None
         try:
             changes = self.changes
+            # Again under the lock: one written since the listing above is numbered over.
+            snapshots = list_snapshots(self.path)
             on_disk = list_segments(self.path)
             # Own offsets before the entries: what was flushed is stored already.
             offsets = {name: offset for name, offset in
