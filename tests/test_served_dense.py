@@ -424,6 +424,8 @@ def test_a_request_read_twice_at_start_up_leaves_the_dense_drafts_when_purged(tm
     restored_dense = ServedDenseStore(100, DIMS, background=False)
     reader = ServedDirectory(tmp_path, restored, TOKENIZER, dense=restored_dense, **options)
     assert restored.num_documents == 1 and restored_dense.num_keys == 5
+    # A purge of other requests keeps its keys: they point into the array stored.
+    reader.remove_dropped(purged=True)
     assert candidate_lists(restored_dense, states[2], emitted=104, top_n=1)[0] == \
         [[105, 106, 107]]
     time.sleep(0.01)
@@ -433,3 +435,31 @@ def test_a_request_read_twice_at_start_up_leaves_the_dense_drafts_when_purged(tm
     # Before: the journal's copy replaced the snapshot's in the sparse store, and the purge
     # forgot that copy only: the keys loaded from the snapshot went on drafting the request.
     assert candidate_lists(restored_dense, states[2], emitted=104, top_n=10)[0] == []
+
+
+def test_a_purge_reaches_the_dense_keys_of_requests_the_sparse_store_evicted(tmp_path):
+    """The dense ring outlives the sparse store's documents (long prompts, few keys each):
+    an evicted request still drafts from its keys, and a purge must stop that too."""
+    import time
+
+    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, purge
+
+    rng = np.random.default_rng(13)
+    store = ServedStore(8, background=False)
+    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
+    directory = ServedDirectory(tmp_path, store, TOKENIZER, dense=dense, flush_s=1.0,
+                                compact_s=60.0, model=model_facts(), background=False)
+    states = {}
+    for name, start in (("evicted", 100), ("stored", 200)):
+        document = store.add(name, np.arange(start, start + 8, dtype=np.int32))
+        states[name] = unit(rng, 5)
+        dense.add(document, states[name], np.arange(1, 6))
+    assert store.num_documents == 1
+    assert candidate_lists(dense, states["evicted"][2], emitted=104, top_n=1)[0] == \
+        [[105, 106, 107]]
+    time.sleep(0.01)
+    purge(tmp_path)
+    directory.sync()
+    # Before: only the documents the purge removed from the sparse store were forgotten.
+    for name, start in (("evicted", 100), ("stored", 200)):
+        assert candidate_lists(dense, states[name][2], emitted=start + 4, top_n=10)[0] == []

@@ -122,7 +122,7 @@ class ServedStore:
                 self._num_tokens -= len(old)
                 if np.array_equal(old, document):
                     # Read twice (a snapshot and the journal after it): the dense store's keys
-                    # point into the first copy, which a purge must find (``forget``).
+                    # point into the first copy, the one ``ServedDenseStore.retain`` looks for.
                     document = old
             self._documents[key] = document
             self._times[key] = now_ms() if time_ms is None else time_ms
@@ -145,20 +145,19 @@ class ServedStore:
             self.refresh()
         return len(evicted)
 
-    def remove_where(self, drop: Callable[[int], bool]) -> list[np.ndarray]:
+    def remove_where(self, drop: Callable[[int], bool]) -> int:
         """Drop the requests whose finishing time (ms) ``drop`` is true of (retention, purges);
-        returns their documents (the dense store's keys point into them)."""
+        returns their number."""
         with self._lock:
             gone = [key for key, time_ms in self._times.items() if drop(time_ms)]
-            documents = [self._documents.pop(key) for key in gone]
-            for key, document in zip(gone, documents):
-                self._num_tokens -= len(document)
+            for key in gone:
+                self._num_tokens -= len(self._documents.pop(key))
                 del self._times[key]
             if gone:
                 self._changed()
         if gone and self._thread is None:
             self.refresh()
-        return documents
+        return len(gone)
 
     def _pop_oldest(self) -> np.ndarray:
         # Called with the lock held.
@@ -344,7 +343,7 @@ class KeyedServedStores:
         removed = 0
         with self._lock:
             for key, store in list(self._stores.items()):
-                removed += len(store.remove_where(lambda time_ms: drop(time_ms, key)))
+                removed += store.remove_where(lambda time_ms: drop(time_ms, key))
                 if not store.num_documents:
                     del self._stores[key]
                     store.close(wait=False)

@@ -15,7 +15,7 @@ The keys live in an HNSW graph (hnswlib) that takes inserts: ScaNN 1.4.2 can ups
 searcher already trained on a database, which a store that starts empty does not have. Slots
 are a ring of ``max_keys``: once full, the oldest key's slot is overwritten by the newest
 (hnswlib updates a label in place), so the store is bounded without deletions; a purged request's
-slots are only emptied (``forget``), its keys stay in the graph until overwritten. Memory per slot:
+slots are only emptied (``retain``), its keys stay in the graph until overwritten. Memory per slot:
 the graph's ``4 * dims + 8 * M + 16`` bytes (400 at dims 64, M 16) plus about 80 for its
 pointer into the tokens (a Python tuple), so 96 MB at 200,000 keys; the whole graph is
 allocated when the first key is inserted.
@@ -161,15 +161,18 @@ class ServedDenseStore:
                 np.empty((0, self.dims), dtype=np.float32)
         return np.asarray(keys, dtype=np.float32), np.asarray(positions, dtype=np.int64)
 
-    def forget(self, documents: Sequence[np.ndarray]) -> None:
-        """Draft nothing more from ``documents`` (requests purged or past the age limit): the
-        slots of their keys are emptied (the ring refills them), after the inserts already
-        queued, which may be theirs."""
-        if documents:
-            self._enqueue(_Forget(list(documents)))
+    def retain(self, documents: Sequence[np.ndarray]) -> None:
+        """Draft from ``documents`` only (what the sparse store holds once a purge or the age
+        limit removed requests): the slots of other documents' keys are emptied (the ring
+        refills them), after the inserts already queued. Those of requests the sparse store
+        evicted go too: the ring may outlive them (long prompts, few keys each), and they
+        are older than any it holds, so as old as those removed, and maybe purged. (A request
+        stored after ``documents`` were listed, its insert queued before this, loses its keys:
+        drafts, not data.)"""
+        self._enqueue(_Retain(list(documents)))
 
-    def _enqueue(self, item: tuple | _Forget) -> None:
-        """``item``: an insert's arguments, or a forget."""
+    def _enqueue(self, item: tuple | _Retain) -> None:
+        """``item``: an insert's arguments, or a retain."""
         if self._closed:
             return  # shut down: an insert here could race one the thread has not finished
         if self._queue is not None:
@@ -177,20 +180,20 @@ class ServedDenseStore:
         else:
             self._apply(item)
 
-    def _apply(self, item: tuple | _Forget) -> None:
-        if isinstance(item, _Forget):
-            self._forget(item.documents)
+    def _apply(self, item: tuple | _Retain) -> None:
+        if isinstance(item, _Retain):
+            self._retain(item.documents)
         else:
             self._insert(*item)
 
-    def _forget(self, documents: list[np.ndarray]) -> None:
-        gone = {id(document) for document in documents}
-        self._unfitted = [u for u in self._unfitted if id(u[0]) not in gone]
+    def _retain(self, documents: list[np.ndarray]) -> None:
+        kept = {id(document) for document in documents}
+        self._unfitted = [u for u in self._unfitted if id(u[0]) in kept]
         self._unfitted_states = sum(len(states) for _, _, states in self._unfitted)
         # Found without the lock (only this thread writes slots), so searches are not skipped
         # while ``max_keys`` slots are scanned.
         slots = [slot for slot, key in enumerate(self._slots)
-                 if key is not None and id(key[0]) in gone]
+                 if key is not None and id(key[0]) not in kept]
         with self._lock:
             for slot in slots:
                 self._slots[slot] = None
@@ -330,8 +333,8 @@ class ServedDenseStore:
 
 
 @dataclass(frozen=True)
-class _Forget:
-    """A queued ``ServedDenseStore.forget``: it holds the documents, so that their ids stay
+class _Retain:
+    """A queued ``ServedDenseStore.retain``: it holds the documents, so that their ids stay
     theirs until it is applied."""
 
     documents: list[np.ndarray]

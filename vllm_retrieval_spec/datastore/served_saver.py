@@ -369,20 +369,21 @@ class ServedDirectory:
         due = self.max_age_s and time.monotonic() - self._swept >= RETENTION_SWEEP_S
         if purged or due:
             self._swept = time.monotonic()
-            self.remove_dropped()
+            self.remove_dropped(purged=purged)
 
-    def remove_dropped(self) -> int:
+    def remove_dropped(self, *, purged: bool = False) -> int:
+        """Drop what retention and purges say must go (``purged``: a purge came, which may
+        name requests only the dense store's keys still hold); returns how many went."""
         cutoff = self._cutoff_ms()
         purges = self.purges
         if self.keyed:
             removed = self.stores.remove_where(
                 lambda time_ms, key: time_ms < cutoff or purges.drops(time_ms, key))
         else:
-            documents = self.stores.remove_where(
+            removed = self.stores.remove_where(
                 lambda time_ms: time_ms < cutoff or purges.drops(time_ms, NO_KEY))
-            if self.dense is not None:
-                self.dense.forget(documents)
-            removed = len(documents)
+            if self.dense is not None and (removed or purged):
+                self.dense.retain(self.stores.documents())
         self.changes += removed
         return removed
 
