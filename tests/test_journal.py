@@ -594,6 +594,37 @@ def test_a_snapshot_finished_while_a_replica_takes_the_lock_is_numbered_over(
     assert list_snapshots(tmp_path)[0] == written
 
 
+def test_a_snapshot_after_a_purge_that_fails_is_tried_again_once_settled_not_every_poll(
+        tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", SECRET)
+    a.writer.flush()
+    time.sleep(0.01)
+    purge(tmp_path)
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    a.sync()
+    attempts = []
+
+    def full_disk(*args, **kwargs):
+        attempts.append(args[0])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    write_snapshot = served_saver.write_snapshot
+    monkeypatch.setattr(served_saver, "write_snapshot", full_disk)
+    clock[0] += served_saver.SETTLE_S
+    with pytest.raises(OSError, match="No space"):
+        a.compact_after_purge()
+    # Before: every poll (served_flush_ms) built another snapshot, on a full disk.
+    clock[0] += a.flush_s
+    assert a.compact_after_purge() is None and len(attempts) == 1
+    monkeypatch.setattr(served_saver, "write_snapshot", write_snapshot)
+    clock[0] += served_saver.SETTLE_S
+    settle(tmp_path)  # the files' clock
+    assert a.compact_after_purge() is not None
+    assert files_holding(tmp_path, SECRET) == []
+
+
 def test_a_purge_file_merged_while_a_replica_lists_them_is_read_all_the_same(
         tmp_path, monkeypatch):
     a = replica(tmp_path, "h-1-a")

@@ -510,10 +510,15 @@ class ServedDirectory:
         """After a purge: once the segment sealed when it was noticed has settled
         (``SETTLE_S``: the other replicas have read it), a snapshot whatever the schedule,
         which deletes that segment and the purged requests with it; tried again at the next
-        poll while another replica holds the lock. Returns the snapshot written."""
+        poll while another replica holds the lock, ``SETTLE_S`` after one that failed (a
+        full disk: not a snapshot built every poll). Returns the snapshot written."""
         if self._purged_at is None or time.monotonic() - self._purged_at < SETTLE_S:
             return None
-        path = self.compact(force=True)
+        try:
+            path = self.compact(force=True)
+        except Exception:
+            self._purged_at = time.monotonic()
+            raise
         if path is not None:
             self._purged_at = None
         return path
