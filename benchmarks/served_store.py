@@ -23,7 +23,7 @@ import numpy as np
 
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
-from vllm_retrieval_spec.datastore.format import SEPARATOR, load_datastore
+from vllm_retrieval_spec.datastore.format import SEPARATOR, DatastoreError, load_datastore
 from vllm_retrieval_spec.datastore.served import ServedStore
 
 RESULTS = Path(__file__).parent / "results"
@@ -38,10 +38,10 @@ def recorded_requests() -> list[dict[str, list[int]]]:
     return records
 
 
-def documents(records: list[dict[str, list[int]]], datastore: str) -> Iterator[np.ndarray]:
+def documents(records: list[dict[str, list[int]]], tokens: np.ndarray) -> Iterator[np.ndarray]:
+    """The records, then the documents of a datastore's ``tokens``, cut to request size."""
     for record in records:
         yield np.asarray(record["prompt"] + record["output"], dtype=np.int32)
-    tokens = np.asarray(load_datastore(datastore, verify_checksums=False).tokens)
     start = 0
     for end in np.flatnonzero(tokens == SEPARATOR):
         for piece in range(start, end, REQUEST_TOKENS):
@@ -49,7 +49,7 @@ def documents(records: list[dict[str, list[int]]], datastore: str) -> Iterator[n
         start = end + 1
 
 
-def measure(store_tokens: int, datastore: str, lookups: int, seed: int = 0) -> dict:
+def measure(store_tokens: int, datastore_tokens: np.ndarray, lookups: int, seed: int = 0) -> dict:
     # Requests are stored (every second record) or looked up (the others), never both.
     records = recorded_requests()
     stored, held_out = records[::2], records[1::2]
@@ -58,7 +58,7 @@ def measure(store_tokens: int, datastore: str, lookups: int, seed: int = 0) -> d
     store = ServedStore(store_tokens, background=False)
     # Filled without indexing each add (that is the background thread's job in the engine).
     store.refresh = lambda: None  # type: ignore[method-assign]
-    for i, document in enumerate(documents(stored, datastore)):
+    for i, document in enumerate(documents(stored, datastore_tokens)):
         store.add(str(i), document)
         if store.num_tokens >= store_tokens:
             break
@@ -105,7 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lookups", type=int, default=10_000)
     parser.add_argument("--output-dir", help="write served-store.json and .md there")
     args = parser.parse_args(argv)
-    rows = [measure(int(n), args.datastore, args.lookups) for n in args.tokens.split(",")]
+    # Opened before any store is filled: a wrong path is a one-line error, not a traceback
+    # after the records were stored.
+    try:
+        tokens = np.asarray(load_datastore(args.datastore, verify_checksums=False).tokens)
+    except DatastoreError as e:
+        raise SystemExit(f"error: {e}") from None
+    rows = [measure(int(n), tokens, args.lookups) for n in args.tokens.split(",")]
     columns = [(key, key) for key in rows[0]]
     print("\n".join(markdown_table(columns, rows)))
     if args.output_dir:
