@@ -103,6 +103,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="model folder (default: the cached SmolLM2)")
     parser.add_argument("--output-dir", help="write critical-path.json and .md there")
     args = parser.parse_args(argv)
+    between = args.between.split(",")
+    for kind in between:
+        if kind not in BETWEEN:
+            parser.error(f"--between: {kind!r} is not one of {', '.join(BETWEEN)}")
+    with open(args.records) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    tasks = sorted({r["task"] for r in records})
+    records = [r for r in records if r["task"] == args.task]
+    if not records:
+        raise SystemExit(f"error: no records of task {args.task!r} in {args.records} "
+                         f"(it has {', '.join(tasks)})")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -110,13 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_retrieval_spec.assets import model_path
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(args.model or str(model_path()),
-                                                 dtype=torch.float32)
-    with open(args.records) as f:
-        records = [r for r in map(json.loads, f) if r["task"] == args.task]
+    model_dir = args.model or str(model_path())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = []
     for options in json.loads(args.methods):
-        for kind in args.between.split(","):
+        for kind in between:
             for precompute in (False, True):
                 proposer = offline_proposer({**options, "precompute_drafts": precompute,
                                              "draft_budget_ms": 0})
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_dir:
         results = results_document("critical-path", module_command(
             "benchmarks.critical_path", argv), rows,
-            model="SmolLM2-135M-Instruct", torch_threads=1)
+            model=Path(model_dir).name, torch_threads=1)
         for path in write_report(results, args.output_dir, markdown_table(columns, rows)):
             print(f"wrote {path}")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks import served_store
+from benchmarks import critical_path, served_store
 
 
 def test_served_store_refuses_a_missing_datastore_in_one_line_before_measuring(
@@ -14,3 +16,25 @@ def test_served_store_refuses_a_missing_datastore_in_one_line_before_measuring(
         served_store.main(["--datastore", str(tmp_path / "missing"), "--tokens", "1000"])
     assert str(exit_info.value).startswith(
         f"error: datastore directory {tmp_path / 'missing'} does not exist")
+
+
+def test_critical_path_refuses_an_unknown_between_and_a_task_without_records(capsys):
+    with pytest.raises(SystemExit):
+        critical_path.main(["--between", "nothing,forwad"])
+    assert "--between: 'forwad' is not one of nothing, forward, read" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        critical_path.main(["--task", "code-gne"])
+    assert str(exit_info.value).startswith("error: no records of task 'code-gne' in ")
+
+
+def test_critical_path_records_the_model_it_ran(tmp_path):
+    from vllm_retrieval_spec.assets import model_path
+
+    model = tmp_path / "Other-Model"
+    model.symlink_to(model_path())
+    critical_path.main(["--model", str(model), "--between", "nothing", "--steps", "3",
+                        "--methods", '[{"method": "pld", "num_speculative_tokens": 4}]',
+                        "--output-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "critical-path.json").read_text())
+    assert results["model"] == "Other-Model"
+    assert [row["between_steps"] for row in results["rows"]] == ["nothing", "nothing"]
