@@ -11,23 +11,33 @@ projects them.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.bench.report import (
+    markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.datastore.format import DatastoreError
 
-def measure(datastore: str, records: list[dict], model: str, top_n: int) -> dict:
-    import torch
+COLUMNS = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "self_mrr_exact",
+           "self_mrr_scann", "scann_recall",
+           "exact_us_p50", "exact_us_p99", "scann_us_p50", "scann_us_p99")
 
-    from benchmarks.hidden_states import TransformersStates
+
+def open_indexes(datastore: str) -> tuple[Any, Any]:
+    """``datastore``'s dense index searched exactly and by ScaNN."""
     from vllm_retrieval_spec.datastore.dense import DenseIndex
 
-    states = TransformersStates(model)
-    exact = DenseIndex.from_path(datastore, search="exact", verify_checksums=False)
-    scann = DenseIndex.from_path(datastore, search="scann", verify_checksums=False)
+    return (DenseIndex.from_path(datastore, search="exact", verify_checksums=False),
+            DenseIndex.from_path(datastore, search="scann", verify_checksums=False))
+
+
+def measure(datastore: str, exact: Any, scann: Any, records: list[dict], states: Any,
+            top_n: int) -> dict:
+    import torch
+
     queries = np.concatenate([
         exact.projection(torch.from_numpy(
             states(r)[len(r["prompt"]) - 1:]))
@@ -75,23 +85,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-name", default="dense-search")
     parser.add_argument("--output-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
+    # Everything that can be wrong with the inputs is found before the model is loaded.
+    try:
+        indexes = {d: open_indexes(d) for d in args.datastores}
+    except DatastoreError as e:
+        raise SystemExit(f"error: {e}") from None
     records = [r for r in load_records(args.outputs)
                if args.task is None or r.get("task", "code-gen") == args.task]
-    rows = [measure(d, records, args.model, args.top_n) for d in args.datastores]
-    document = {"run": args.run_name, "command": "python -m benchmarks.dense_search "
-                + " ".join(sys.argv[1:]), "rows": rows}
-    columns = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "self_mrr_exact",
-               "self_mrr_scann", "scann_recall",
-               "exact_us_p50", "exact_us_p99", "scann_us_p50", "scann_us_p99")
-    table = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-                      + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows])
-    print(table)
+    if not records:
+        raise SystemExit(f"error: {args.outputs} has no records"
+                         + (f" of task {args.task!r}" if args.task else ""))
+    from benchmarks.hidden_states import TransformersStates
+
+    states = TransformersStates(args.model)
+    rows = [measure(d, exact, scann, records, states, args.top_n)
+            for d, (exact, scann) in indexes.items()]
+    table = markdown_table([(c, c) for c in COLUMNS], rows)
+    print("\n".join(table))
     if args.output_dir:
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.run_name}.json").write_text(json.dumps(document, indent=2) + "\n")
-        (out / f"{args.run_name}.md").write_text(
-            f"# {args.run_name}\n\n`{document['command']}`\n\n{table}\n")
+        results = results_document(args.run_name, module_command("benchmarks.dense_search", argv),
+                                   rows, model=Path(args.model).name)
+        for path in write_report(results, args.output_dir, table):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

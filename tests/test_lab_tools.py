@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import critical_path, served_store
+from benchmarks import critical_path, dense_search, served_store
 
 
 def test_served_store_refuses_a_missing_datastore_in_one_line_before_measuring(
@@ -38,3 +38,31 @@ def test_critical_path_records_the_model_it_ran(tmp_path):
     results = json.loads((tmp_path / "critical-path.json").read_text())
     assert results["model"] == "Other-Model"
     assert [row["between_steps"] for row in results["rows"]] == ["nothing", "nothing"]
+
+
+def test_dense_search_refuses_a_missing_datastore_in_one_line_before_loading_the_model(
+        tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        dense_search.main([str(tmp_path / "missing"), "--outputs", str(tmp_path / "r.jsonl"),
+                           "--model", str(tmp_path / "no-model")])
+    assert str(exit_info.value).startswith("error: ") and "missing" in str(exit_info.value)
+
+
+def test_dense_search_writes_the_schemas_header_and_the_command_it_was_given(
+        tmp_path, monkeypatch):
+    import benchmarks.hidden_states
+
+    records = tmp_path / "run.plain.jsonl"
+    records.write_text('{"task": "code-gen", "prompt": [1, 2], "output": [3]}\n')
+    monkeypatch.setattr(dense_search, "open_indexes", lambda d: ("exact", "scann"))
+    monkeypatch.setattr(benchmarks.hidden_states, "TransformersStates", lambda model: None)
+    row = dict.fromkeys(dense_search.COLUMNS, 1)
+    monkeypatch.setattr(dense_search, "measure", lambda d, *a: {**row, "datastore": d})
+    argv = ["ds/own", "--outputs", str(records), "--model", "models/Some-Model",
+            "--run-name", "recall", "--output-dir", str(tmp_path)]
+    dense_search.main(argv)
+    results = json.loads((tmp_path / "recall.json").read_text())
+    assert {"date", "machine"} <= set(results) and results["model"] == "Some-Model"
+    assert results["command"] == "python -m benchmarks.dense_search " + " ".join(argv)
+    assert [r["datastore"] for r in results["rows"]] == ["ds/own"]
+    assert "| ds/own | 1 |" in (tmp_path / "recall.md").read_text()
