@@ -12,10 +12,7 @@ was measured); with --output-dir also writes lookup-latency-<N>M.json and .md th
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
-import os
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -23,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_retrieval_spec.bench.report import module_command
+from vllm_retrieval_spec.assets import cache_dir
+from vllm_retrieval_spec.bench.report import (
+    markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.datastore import (
     SuffixArrayDatastore,
     build_datastore_from_token_ids,
@@ -31,9 +30,13 @@ from vllm_retrieval_spec.datastore import (
 )
 from vllm_retrieval_spec.datastore.corpus import CorpusStats, iter_documents
 
-CACHE = Path.home() / ".cache" / "vllm-retrieval-spec"
-TOKENIZER = CACHE / "models" / "SmolLM2-135M-Instruct"
 VOCAB = 49_152
+
+
+def tokenizer_dir() -> Path:
+    """The cached SmolLM2's folder (``vllm-rsd fetch-model`` makes it), whose tokenizer builds a
+    Python datastore when it is there."""
+    return cache_dir() / "models" / "SmolLM2-135M-Instruct"
 
 
 def python_documents(tokenizer, num_tokens: int) -> Iterator[list[int]]:
@@ -86,9 +89,9 @@ def ensure_store(path: Path, num_tokens: int, synthetic: bool, kind: str) -> Non
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
         documents = python_documents(tokenizer, num_tokens)
-        name, fingerprint = TOKENIZER.name, tokenizer_fingerprint(tokenizer)
+        name, fingerprint = tokenizer_dir().name, tokenizer_fingerprint(tokenizer)
         vocab_size = len(tokenizer)
     build_datastore_from_token_ids(
         documents,
@@ -112,7 +115,7 @@ def sample_contexts(
     return contexts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=50_000_000)
     parser.add_argument("--datastore", type=Path, help="default: a cache dir named by size")
@@ -121,11 +124,12 @@ def main() -> None:
     parser.add_argument("--max-occurrences", type=int, default=64)
     parser.add_argument("--continuation-len", type=int, default=10)
     parser.add_argument("--output-dir", type=Path, help="write the result there as JSON + md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    synthetic = args.synthetic or not (TOKENIZER / "tokenizer.json").exists()
+    synthetic = args.synthetic or not (tokenizer_dir() / "tokenizer.json").exists()
     kind = "synthetic" if synthetic else "python"
-    path = args.datastore or CACHE / "datastores" / f"bench-{kind}-{args.tokens // 1_000_000}M"
+    path = args.datastore or cache_dir() / "datastores" / \
+        f"bench-{kind}-{args.tokens // 1_000_000}M"
     ensure_store(path, args.tokens, synthetic, kind)
     index = SuffixArrayDatastore.from_path(path)
 
@@ -135,7 +139,7 @@ def main() -> None:
     else:
         from transformers import AutoTokenizer
 
-        held_out = held_out_python(AutoTokenizer.from_pretrained(TOKENIZER))
+        held_out = held_out_python(AutoTokenizer.from_pretrained(tokenizer_dir()))
     warmup = sample_contexts(held_out, rng, 1_000, 64)
     contexts = sample_contexts(held_out, rng, args.lookups, 64)
 
@@ -167,28 +171,22 @@ def main() -> None:
     p50, p99 = np.percentile(us, [50, 99])
     print(f"lookup latency: p50 {p50:.1f} us, p99 {p99:.1f} us, max {us.max():.1f} us")
     if args.output_dir:
-        write_result(args.output_dir, {
-            "run": f"lookup-latency-{args.tokens // 1_000_000}M",
-            "date": datetime.date.today().isoformat(),
-            "machine": f"cpu-{os.cpu_count()}core",
-            "command": module_command("benchmarks.lookup_latency", None),
-            "datastore": kind, "datastore_tokens": int(index.datastore.manifest.num_tokens),
-            "lookups": len(contexts), "max_occurrences": args.max_occurrences,
-            "continuation_len": args.continuation_len,
-            "mean_match_len": round(float(match_lens.mean()), 2),
-            "mean_continuations": round(float(rows.mean()), 1),
-            "lookup_us_p50": round(float(p50), 1), "lookup_us_p99": round(float(p99), 1),
-            "lookup_us_max": round(float(us.max()), 1),
-        })
-
-
-def write_result(output_dir: Path, result: dict) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / f"{result['run']}.json").write_text(json.dumps(result, indent=1) + "\n")
-    keys = [k for k in result if k not in ("run", "command")]
-    (output_dir / f"{result['run']}.md").write_text(
-        f"# {result['run']}\n\n`{result['command']}`\n\n| " + " | ".join(keys) + " |\n|"
-        + "---|" * len(keys) + "\n| " + " | ".join(str(result[k]) for k in keys) + " |\n")
+        # No rows: the one measurement is the header's.
+        results = results_document(
+            f"lookup-latency-{args.tokens // 1_000_000}M",
+            module_command("benchmarks.lookup_latency", argv), [],
+            datastore=kind, datastore_tokens=int(index.datastore.manifest.num_tokens),
+            lookups=len(contexts), max_occurrences=args.max_occurrences,
+            continuation_len=args.continuation_len,
+            mean_match_len=round(float(match_lens.mean()), 2),
+            mean_continuations=round(float(rows.mean()), 1),
+            lookup_us_p50=round(float(p50), 1), lookup_us_p99=round(float(p99), 1),
+            lookup_us_max=round(float(us.max()), 1))
+        measured = {k: v for k, v in results.items()
+                    if k not in ("run", "date", "machine", "command", "rows")}
+        for path in write_report(results, args.output_dir,
+                                 markdown_table([(k, k) for k in measured], [measured])):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

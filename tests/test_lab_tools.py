@@ -66,3 +66,18 @@ def test_dense_search_writes_the_schemas_header_and_the_command_it_was_given(
     assert results["command"] == "python -m benchmarks.dense_search " + " ".join(argv)
     assert [r["datastore"] for r in results["rows"]] == ["ds/own"]
     assert "| ds/own | 1 |" in (tmp_path / "recall.md").read_text()
+
+
+def test_lookup_latency_builds_in_the_cache_vllm_rsd_cache_names_and_writes_the_schema(
+        tmp_path, monkeypatch):
+    from benchmarks import lookup_latency
+
+    monkeypatch.setenv("VLLM_RSD_CACHE", str(tmp_path / "cache"))
+    argv = ["--tokens", "30000", "--lookups", "20", "--output-dir", str(tmp_path / "out")]
+    lookup_latency.main(argv)
+    # No SmolLM2 in that cache: the synthetic stream.
+    assert (tmp_path / "cache" / "datastores" / "bench-synthetic-0M" / "manifest.json").exists()
+    results = json.loads((tmp_path / "out" / "lookup-latency-0M.json").read_text())
+    assert {"date", "machine"} <= set(results) and results["rows"] == []
+    assert results["command"] == "python -m benchmarks.lookup_latency " + " ".join(argv)
+    assert (results["datastore"], results["datastore_tokens"]) == ("synthetic", 30000)
