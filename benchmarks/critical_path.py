@@ -1,10 +1,10 @@
 """Why drafting is several times slower inside vLLM than offline, measured, and what is left of
 it on the critical path when the next drafts are precomputed (``drafting.overlap``).
 
-The same proposer replays recorded greedy outputs step by step, as vLLM drives it (the batch
-observed before sampling, ``propose`` with the step's sampled tokens, then ``after_handover``,
-which precomputes the next drafts when that is on). Only ``propose`` is timed: it is what vLLM
-waits for. Between two steps runs what happens between two decoding steps in the engine, or
+The same proposer replays recorded greedy outputs step by step as replay drives it
+(``benchmarks.replay``: every hook in the order of vLLM's step, drafts made before sampling and
+``after_handover``, which precomputes the next drafts when that is on, included). Only
+``propose`` is timed: it is what vLLM waits for. Between two steps runs what happens between two decoding steps in the engine, or
 nothing:
 
 - ``nothing``: the steps back to back, as in offline replay;
@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from benchmarks.replay import Replay, StepCosts, build_proposer
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 
@@ -36,7 +37,6 @@ BETWEEN = ("nothing", "forward", "read")
 def offline_proposer(options: dict[str, Any], max_model_len: int = 4096) -> Any:
     """Our proposer for ``options`` (a speculative_config), built as vLLM's worker builds it
     (its served store indexes each finished request before the next one starts)."""
-    from benchmarks.replay import build_proposer
     from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS
 
     return build_proposer(options, VLLM_CPU_DEFAULTS, max_model_len=max_model_len)
@@ -58,34 +58,40 @@ def between_steps(kind: str, model: Any) -> Callable[[np.ndarray], None]:
     return forward
 
 
+class BetweenSteps(Replay):
+    """Replay's steps (every hook of the proposer in the order of vLLM's step, drafts made
+    before sampling included), with ``between`` run where the forward runs and only
+    ``propose`` timed."""
+
+    def __init__(self, proposer: Any, between: Callable[[np.ndarray], None]) -> None:
+        super().__init__(proposer, StepCosts(proposer.config.drafting.draft_token_cost))
+        self.between = between
+        self.propose_ns: list[int] = []
+        propose = proposer.propose
+
+        def timed_propose(*args: Any) -> list[list[int]]:
+            start = time.perf_counter_ns()
+            drafts = propose(*args)
+            self.propose_ns.append(time.perf_counter_ns() - start)
+            return drafts
+
+        proposer.propose = timed_propose
+
+    def forward(self, batch: list[Any]) -> np.ndarray:
+        base = super().forward(batch)
+        self.between(self.tokens[0, :base[0]])
+        return base
+
+
 def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Callable,
                  max_steps: int) -> np.ndarray:
     """Nanoseconds of each ``propose`` over the records' greedy steps (a request at a time;
     each is finished as vLLM finishes it, so a served store learns from them)."""
-    times: list[int] = []
-    width = max(len(r["prompt"]) + len(r["output"]) for r in records) + 1
-    buffer = np.zeros((1, width), dtype=np.int32)
-    for n, record in enumerate(records):
-        tokens = record["prompt"] + record["output"]
-        position = len(record["prompt"]) + 1
-        sampled = [tokens[position - 1]]
-        while position < len(tokens) and len(times) < max_steps:
-            buffer[0, :position] = tokens[:position]
-            between(buffer[0, :position])
-            proposer.observe_batch([f"request-{n}"], [False])
-            start = time.perf_counter_ns()
-            drafted = proposer.propose([sampled], np.array([position], dtype=np.int32), buffer)
-            times.append(time.perf_counter_ns() - start)
-            if proposer.has_work_after_handover:
-                proposer.after_handover()
-            accepted = 0
-            for token, truth in zip(drafted[0], tokens[position:]):
-                if token != truth:
-                    break
-                accepted += 1
-            sampled = tokens[position:position + accepted + 1]
-            position += accepted + 1
-        proposer.observe_finished({f"request-{n}"})
+    steps = BetweenSteps(proposer, between)
+    steps.serve(list(enumerate(records)))
+    while len(steps.propose_ns) < max_steps and steps.advance():
+        pass
+    times = steps.propose_ns[:max_steps]
     return np.asarray(times[len(times) // 10:])  # the first steps compile and warm up
 
 

