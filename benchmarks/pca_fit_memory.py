@@ -84,6 +84,7 @@ def fit_in_this_process(states_file: Path, dims: int, fit_samples: int,
                         chunk_bytes: int) -> dict[str, Any]:
     import torch
 
+    from vllm_retrieval_spec.datastore import dense
     from vllm_retrieval_spec.datastore.projection import fit_projection
 
     states = np.load(states_file, mmap_mode="r")
@@ -91,9 +92,7 @@ def fit_in_this_process(states_file: Path, dims: int, fit_samples: int,
     sampler = PeakAnonSampler()
     sampler.start()
     start = time.perf_counter()
-    # The sample as write_dense_index draws it.
-    rows = np.sort(np.random.default_rng(0).choice(
-        len(states), size=min(fit_samples, len(states)), replace=False))
+    rows = dense.fit_sample_rows(len(states), fit_samples)
     projection = fit_projection(states, dims, rows, chunk_bytes=chunk_bytes)
     fit_s = time.perf_counter() - start
     sampler.done.set()

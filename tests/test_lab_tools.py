@@ -94,3 +94,22 @@ def test_critical_path_drives_the_hooks_as_vllms_step_does_drafts_before_samplin
     stats = proposer.stats()
     proposer.close()
     assert len(us) > 0 and stats.get("precomputed_used", 0) > 0
+
+
+def test_pca_fit_memory_fits_on_the_rows_the_dense_index_samples(tmp_path, monkeypatch):
+    import numpy as np
+
+    from benchmarks import pca_fit_memory
+    from vllm_retrieval_spec.datastore import dense
+
+    states = tmp_path / "states.npy"
+    pca_fit_memory.write_states(states, 200, 16)
+    sampled = []
+
+    def rows(num_keys, fit_samples, seed=0):
+        sampled.append((num_keys, fit_samples, seed))
+        return np.arange(0, num_keys, 4)
+
+    monkeypatch.setattr(dense, "fit_sample_rows", rows)
+    result = pca_fit_memory.fit_in_this_process(states, 4, 1000, 1 << 20)
+    assert sampled == [(200, 1000, 0)] and result["fit_samples"] == 50

@@ -272,6 +272,13 @@ def check_dense_replaceable(path: Path, overwrite: bool) -> None:
             f"{path} already holds a dense index; pass --overwrite to replace it")
 
 
+def fit_sample_rows(num_keys: int, fit_samples: int, seed: int = 0) -> np.ndarray:
+    """The rows of ``num_keys`` states the projection is fitted on: at most ``fit_samples``,
+    drawn without replacement, in order (a memory map is read front to back)."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(num_keys, size=min(fit_samples, num_keys), replace=False))
+
+
 def write_dense_index(
     datastore: Datastore,
     states: np.ndarray,
@@ -299,8 +306,7 @@ def write_dense_index(
     num_keys, hidden_size = states.shape
     if num_keys == 0:
         raise DatastoreError("no hidden states to index (every document is a single token?)")
-    rng = np.random.default_rng(seed)
-    sample_rows = np.sort(rng.choice(num_keys, size=min(fit_samples, num_keys), replace=False))
+    sample_rows = fit_sample_rows(num_keys, fit_samples, seed)
     show_progress = progress is True or (progress is None and sys.stderr.isatty())
     projection = fit_projection(states, dims, sample_rows, progress=show_progress)
 
