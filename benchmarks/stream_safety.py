@@ -13,7 +13,7 @@ hold the right states from an earlier run.
 
 torch (and Triton on a GPU) only, no vLLM: ``run(device, tiny)`` is what
 ``benchmarks/gpu_check.py`` calls. On CPU there are no streams (``equal`` must hold trivially)
-and ``tiny`` runs in a second.
+and ``tiny`` runs in a second (``--device cpu --tiny``).
 
     python -m benchmarks.stream_safety --device cuda
 
@@ -213,11 +213,13 @@ def _version(package: str) -> str | None:
         return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small shapes (seconds on CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} needs a CUDA GPU; --device cpu --tiny runs on CPU")
     print(json.dumps(run(args.device, args.tiny), indent=2))
 
 

@@ -113,3 +113,15 @@ def test_pca_fit_memory_fits_on_the_rows_the_dense_index_samples(tmp_path, monke
     monkeypatch.setattr(dense, "fit_sample_rows", rows)
     result = pca_fit_memory.fit_in_this_process(states, 4, 1000, 1 << 20)
     assert sampled == [(200, 1000, 0)] and result["fit_samples"] == 50
+
+
+def test_stream_safety_without_a_gpu_says_so_in_one_line(monkeypatch, capsys):
+    import torch
+
+    from benchmarks import stream_safety
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        stream_safety.main(["--tiny"])
+    assert "--device cuda needs a CUDA GPU; --device cpu --tiny runs on CPU" in \
+        capsys.readouterr().err
