@@ -90,8 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         indexes = {d: open_indexes(d) for d in args.datastores}
     except DatastoreError as e:
         raise SystemExit(f"error: {e}") from None
-    records = [r for r in load_records(args.outputs)
-               if args.task is None or r.get("task", "code-gen") == args.task]
+    try:
+        records = [r for r in load_records(args.outputs)
+                   if args.task is None or r.get("task", "code-gen") == args.task]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot read {args.outputs} ({e}); give the "
+                         "<run>.plain.jsonl that vllm-rsd bench wrote") from None
     if not records:
         raise SystemExit(f"error: {args.outputs} has no records"
                          + (f" of task {args.task!r}" if args.task else ""))

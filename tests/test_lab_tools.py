@@ -125,3 +125,11 @@ def test_stream_safety_without_a_gpu_says_so_in_one_line(monkeypatch, capsys):
         stream_safety.main(["--tiny"])
     assert "--device cuda needs a CUDA GPU; --device cpu --tiny runs on CPU" in \
         capsys.readouterr().err
+
+
+def test_dense_search_refuses_missing_outputs_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(dense_search, "open_indexes", lambda d: ("exact", "scann"))
+    with pytest.raises(SystemExit) as exit_info:
+        dense_search.main(["ds/own", "--outputs", str(tmp_path / "run.plain.jsonl"),
+                           "--model", "m"])
+    assert str(exit_info.value).startswith(f"error: cannot read {tmp_path / 'run.plain.jsonl'}")
