@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.replay import Replay, StepCosts, build_proposer
+from benchmarks.replay import Replay, StepCosts, build_proposer, load_records
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_RECORDS = RESULTS / "tuning" / "plain-tune-20-39.plain.jsonl"
@@ -37,8 +38,6 @@ BETWEEN = ("nothing", "forward", "read")
 def offline_proposer(options: dict[str, Any], max_model_len: int = 4096) -> Any:
     """Our proposer for ``options`` (a speculative_config), built as vLLM's worker builds it
     (its served store indexes each finished request before the next one starts)."""
-    from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS
-
     return build_proposer(options, VLLM_CPU_DEFAULTS, max_model_len=max_model_len)
 
 
@@ -113,8 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     for kind in between:
         if kind not in BETWEEN:
             parser.error(f"--between: {kind!r} is not one of {', '.join(BETWEEN)}")
-    with open(args.records) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    try:
+        records = load_records(args.records)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot read {args.records} ({e}); give the "
+                         "<run>.plain.jsonl that vllm-rsd bench wrote") from None
+    try:
+        methods = json.loads(args.methods)
+        for options in methods:
+            parse_speculative_config({**options, "draft_budget_ms": 0}, VLLM_CPU_DEFAULTS)
+    except ValueError as e:  # not JSON, or a ConfigError
+        raise SystemExit(f"error: --methods: {e}") from None
     tasks = sorted({r["task"] for r in records})
     records = [r for r in records if r["task"] == args.task]
     if not records:
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = args.model or str(model_path())
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = []
-    for options in json.loads(args.methods):
+    for options in methods:
         for kind in between:
             for precompute in (False, True):
                 proposer = offline_proposer({**options, "precompute_drafts": precompute,

@@ -133,3 +133,19 @@ def test_dense_search_refuses_missing_outputs_in_one_line(tmp_path, monkeypatch)
         dense_search.main(["ds/own", "--outputs", str(tmp_path / "run.plain.jsonl"),
                            "--model", "m"])
     assert str(exit_info.value).startswith(f"error: cannot read {tmp_path / 'run.plain.jsonl'}")
+
+
+def test_critical_path_refuses_records_it_cannot_read_in_one_line(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        critical_path.main(["--records", str(tmp_path / "run.plain.jsonl")])
+    assert str(exit_info.value).startswith(f"error: cannot read {tmp_path / 'run.plain.jsonl'}")
+
+
+def test_critical_path_refuses_a_bad_method_before_loading_the_model():
+    with pytest.raises(SystemExit) as exit_info:
+        critical_path.main(["--methods", '[{"method": "pld"}]'])
+    assert str(exit_info.value).startswith(
+        "error: --methods: speculative_config['num_speculative_tokens'] is required")
+    with pytest.raises(SystemExit) as exit_info:
+        critical_path.main(["--methods", "[{method: pld}]"])
+    assert str(exit_info.value).startswith("error: --methods: ")
