@@ -28,6 +28,7 @@ import numpy as np
 from benchmarks.replay import Replay, StepCosts, build_proposer, load_records
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.bench.throughput import reported_model
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 
 RESULTS = Path(__file__).parent / "results"
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_dir:
         results = results_document("critical-path", module_command(
             "benchmarks.critical_path", argv), rows,
-            model=Path(model_dir).name, torch_threads=1)
+            model=reported_model(model_dir), torch_threads=1)
         for path in write_report(results, args.output_dir, markdown_table(columns, rows)):
             print(f"wrote {path}")
 

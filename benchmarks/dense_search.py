@@ -19,6 +19,7 @@ import numpy as np
 
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.bench.throughput import reported_model
 from vllm_retrieval_spec.datastore.format import DatastoreError
 
 COLUMNS = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "self_mrr_exact",
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(table))
     if args.output_dir:
         results = results_document(args.run_name, module_command("benchmarks.dense_search", argv),
-                                   rows, model=Path(args.model).name)
+                                   rows, model=reported_model(args.model))
         for path in write_report(results, args.output_dir, table):
             print(f"wrote {path}")
 

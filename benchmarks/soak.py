@@ -59,6 +59,7 @@ import numpy as np
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN, task_prompts
+from vllm_retrieval_spec.bench.throughput import reported_model
 
 SAMPLE_S = 10.0
 #: The fixed prompts sent again and again (greedy): code-gen 0..3; the control prompt of the
@@ -444,7 +445,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(directory, ignore_errors=True)
     checks["passed"] = passed(checks)
     return results_document(args.run_name, module_command("benchmarks.soak", args.argv),
-                            rows, model=Path(args.model).name, vllm=vllm_version(),
+                            rows, model=reported_model(args.model), vllm=vllm_version(),
                             checks=checks)
 
 

@@ -36,7 +36,7 @@ def test_critical_path_records_the_model_it_ran(tmp_path):
                         "--methods", '[{"method": "pld", "num_speculative_tokens": 4}]',
                         "--output-dir", str(tmp_path)])
     results = json.loads((tmp_path / "critical-path.json").read_text())
-    assert results["model"] == "Other-Model"
+    assert results["model"] == str(model)  # as given (docs/results-schema.md)
     assert [row["between_steps"] for row in results["rows"]] == ["nothing", "nothing"]
 
 
@@ -62,7 +62,7 @@ def test_dense_search_writes_the_schemas_header_and_the_command_it_was_given(
             "--run-name", "recall", "--output-dir", str(tmp_path)]
     dense_search.main(argv)
     results = json.loads((tmp_path / "recall.json").read_text())
-    assert {"date", "machine"} <= set(results) and results["model"] == "Some-Model"
+    assert {"date", "machine"} <= set(results) and results["model"] == "models/Some-Model"
     assert results["command"] == "python -m benchmarks.dense_search " + " ".join(argv)
     assert [r["datastore"] for r in results["rows"]] == ["ds/own"]
     assert "| ds/own | 1 |" in (tmp_path / "recall.md").read_text()
@@ -149,3 +149,15 @@ def test_critical_path_refuses_a_bad_method_before_loading_the_model():
     with pytest.raises(SystemExit) as exit_info:
         critical_path.main(["--methods", "[{method: pld}]"])
     assert str(exit_info.value).startswith("error: --methods: ")
+
+
+def test_soak_names_the_model_as_the_results_schema_says(tmp_path, monkeypatch):
+    from benchmarks import soak
+
+    monkeypatch.setattr(soak, "soak_kill_restart", lambda *a: ({}, []))
+    monkeypatch.setattr(soak, "passed", lambda checks: {})
+    monkeypatch.setattr(soak, "vllm_version", lambda: "0.32.0")
+    args = soak.parse_args(["--model", "models/Other-Model", "--output-dir", str(tmp_path)])
+    assert soak.run(args)["model"] == "models/Other-Model"
+    args = soak.parse_args(["--output-dir", str(tmp_path)])  # the cached SmolLM2
+    assert soak.run(args)["model"] == "SmolLM2-135M-Instruct"
