@@ -1,4 +1,6 @@
-"""Drafting-latency counters kept inside the worker and read back by benchmarks."""
+"""What drafting is measured by: the per-step drafting times the worker keeps for the benchmarks
+(``DraftingTimer``, read back over RPC) and the ``vllm_rsd:*`` Prometheus series a server's
+``/metrics`` shows (``MethodMetrics``, ``served_store_tokens_gauge``)."""
 
 from __future__ import annotations
 
