@@ -1,7 +1,8 @@
 """The drafter's memory under churn, without vLLM: ``hybrid`` with a journaled
 ``served_datastore``, as the soak test's server runs it, fed the recorded requests
-(``benchmarks/results/*.plain.jsonl``, prompt and output) again and again, one at a time: a
-``propose`` per step of ``--tokens-per-step`` tokens, then ``observe_finished``. The store fills
+(``benchmarks/results/*.plain.jsonl``, prompt and output) again and again, one at a time, step
+by step as replay drives a proposer (every hook in the order of vLLM's step, greedy acceptance of
+its drafts), then ``observe_finished``. The store fills
 to ``--served-max-tokens`` and evicts, the journal is flushed every ``served_flush_ms`` and
 compacted into a snapshot every ``--save-minutes``. Every ``--sample-every`` requests it samples
 this process's RSS: whatever the soak's server grows by beyond this is not the served store's.
@@ -17,10 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 
-from benchmarks.replay import fake_vllm_config
+from benchmarks.replay import Replay, StepCosts, fake_vllm_config
 from benchmarks.served_store import recorded_requests
 from vllm_retrieval_spec.assets import model_path
 from vllm_retrieval_spec.bench.report import (
@@ -46,18 +46,20 @@ def journaled_hybrid(directory: Path, max_tokens: int, save_minutes: float) -> R
     return proposer
 
 
-def serve(proposer: RetrievalProposer, req_id: str, prompt: list[int], output: list[int],
-          tokens_per_step: int) -> None:
-    """One request through the proposer as vLLM's steps hand it over."""
-    token_ids = np.array([prompt + output], dtype=np.int32)
-    sequence = token_ids[0]
-    proposer.observe_batch([req_id])
-    for end in range(len(prompt) + 1, len(sequence) + 1, tokens_per_step):
-        sampled = sequence[max(len(prompt), end - tokens_per_step):end].tolist()
-        proposer.propose([sampled], np.array([end], dtype=np.int32), token_ids)
-        proposer.after_handover()
-    proposer.observe_batch([])
-    proposer.observe_finished({req_id})
+class Churn:
+    """Requests served one at a time through replay's steps, each finished before the next."""
+
+    def __init__(self, proposer: RetrievalProposer) -> None:
+        self.replay = Replay(proposer, StepCosts(proposer.config.drafting.draft_token_cost))
+
+    def serve(self, n: int, record: dict[str, list[int]]) -> None:
+        self.replay.serve([(n, record)])
+        while self.replay.advance():
+            pass
+        # Replay keeps every step's drafting time for its summary; kept over tens of thousands
+        # of requests they would be the growth this tool measures.
+        self.replay.draft_ns.clear()
+        self.replay.critical_ns.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +68,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--served-max-tokens", type=int, default=100_000)
     parser.add_argument("--save-minutes", type=float, default=0.05)
-    parser.add_argument("--tokens-per-step", type=int, default=4)
     parser.add_argument("--sample-every", type=int, default=1000)
     parser.add_argument("--run-name", default="served-churn")
     parser.add_argument("--output-dir", help="write <run-name>.json and .md there")
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as directory:
         served = Path(directory) / "served"
         proposer = journaled_hybrid(served, args.served_max_tokens, args.save_minutes)
+        churn = Churn(proposer)
         start = time.perf_counter()
         process = psutil.Process()
         for i in range(args.requests + 1):
@@ -89,9 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                     "snapshots": max((int(p.name.split("-")[1])
                                       for p in served.glob("snapshot-*")), default=0)})
                 print(rows[-1], flush=True)
-            record = records[i % len(records)]
-            serve(proposer, f"r{i}", list(record["prompt"]), list(record["output"]),
-                  args.tokens_per_step)
+            churn.serve(i, records[i % len(records)])
         proposer.close()
     full = [row for row in rows if row["store_tokens"] >= 0.95 * args.served_max_tokens]
     checks = {"records": len(records),

@@ -161,3 +161,18 @@ def test_soak_names_the_model_as_the_results_schema_says(tmp_path, monkeypatch):
     assert soak.run(args)["model"] == "models/Other-Model"
     args = soak.parse_args(["--output-dir", str(tmp_path)])  # the cached SmolLM2
     assert soak.run(args)["model"] == "SmolLM2-135M-Instruct"
+
+
+def test_served_churn_drives_the_hooks_as_vllms_step_does_drafts_before_sampling_included(
+        tmp_path):
+    from benchmarks import served_churn
+
+    record = {"task": "code-gen", "prompt": list(range(20)) * 3, "output": list(range(20)) * 2}
+    proposer = served_churn.journaled_hybrid(tmp_path / "served", 10_000, 1.0)
+    churn = served_churn.Churn(proposer)
+    for i in range(3):
+        churn.serve(i, record)
+    stats = proposer.stats()
+    proposer.close()
+    assert stats.get("precomputed_used", 0) > 0
+    assert churn.replay.draft_ns == []  # nothing grows with the requests served
