@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.bench.throughput import NGRAM_OPTIONS, BenchSettings
 from vllm_retrieval_spec.contract import Capabilities
 
 
@@ -74,8 +75,8 @@ class NgramPeer:
 
     capabilities = Capabilities()
     has_work_after_handover = False
-    #: ``vllm-rsd bench``'s ngram (``bench/throughput.py``): n from 4 down to 2.
-    DEFAULTS = {"num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    #: ``vllm-rsd bench``'s ngram, at its default k.
+    DEFAULTS = {"num_speculative_tokens": BenchSettings.num_speculative_tokens, **NGRAM_OPTIONS}
 
     def __init__(self, options: dict[str, Any], max_model_len: int) -> None:
         from vllm.v1.spec_decode.ngram_proposer import NgramProposer

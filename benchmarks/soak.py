@@ -59,7 +59,7 @@ import numpy as np
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN, task_prompts
-from vllm_retrieval_spec.bench.throughput import reported_model
+from vllm_retrieval_spec.bench.throughput import NGRAM_OPTIONS, BenchSettings, reported_model
 
 SAMPLE_S = 10.0
 #: The fixed prompts sent again and again (greedy): code-gen 0..3; the control prompt of the
@@ -76,8 +76,9 @@ MALFORMED = [b"{not json", {"max_tokens": -5}, {"temperature": -1.0}, {"n": 0},
              {"prompt": [10 ** 9]}]
 REQUEST_TIMEOUT_S = 300.0
 #: ``--peer``: vLLM's own drafters, as ``vllm-rsd bench`` runs them.
-PEER_SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 8,
-                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+PEER_SPECS = {"ngram": {"method": "ngram",
+                        "num_speculative_tokens": BenchSettings.num_speculative_tokens,
+                        **NGRAM_OPTIONS}}
 
 
 @dataclass

@@ -176,3 +176,13 @@ def test_served_churn_drives_the_hooks_as_vllms_step_does_drafts_before_sampling
     proposer.close()
     assert stats.get("precomputed_used", 0) > 0
     assert churn.replay.draft_ns == []  # nothing grows with the requests served
+
+
+def test_the_lab_tools_run_vllms_ngram_as_vllm_rsd_bench_does():
+    from benchmarks.peers import NgramPeer
+    from benchmarks.soak import PEER_SPECS
+    from vllm_retrieval_spec.bench.throughput import NGRAM_OPTIONS, method_runs
+
+    bench = method_runs(["ngram"], 8, {})[1].speculative_config
+    assert bench == {"method": "ngram", "num_speculative_tokens": 8, **NGRAM_OPTIONS}
+    assert bench == {"method": "ngram", **NgramPeer.DEFAULTS} == PEER_SPECS["ngram"]

@@ -61,6 +61,9 @@ class MethodRun:
 
 #: vLLM's own drafters, compared with ours at the settings below.
 BUILTIN_METHODS = ("ngram", "suffix")
+#: vLLM's ngram as every benchmark runs it (the lab tools' peers too): n from 4 down to 2,
+#: shorter matches than vLLM's default (5..5), which drafts less.
+NGRAM_OPTIONS = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 #: Ours that can draft token trees: those that vote in a trie (``tree`` is a trie option).
 TREE_METHODS = tuple(name for name, cls in METHODS.items() if "tree" in cls.option_types())
 #: ``METHOD/VARIANT`` -> the options it sets.
@@ -122,9 +125,8 @@ def method_runs(specs: list[str], k: int, datastores: dict[str, str],
         if name == "plain":
             continue
         if name == "ngram":
-            # n from 4 down to 2: shorter matches than vLLM's default (5..5), which drafts less.
             runs.append(MethodRun("ngram", {"method": "ngram", "num_speculative_tokens": k,
-                                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
+                                            **NGRAM_OPTIONS}))
             continue
         if name == "suffix":
             # vLLM's SuffixDecoding at its own defaults (it drafts up to 24 tokens, as long as
