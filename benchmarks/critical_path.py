@@ -4,8 +4,8 @@ it on the critical path when the next drafts are precomputed (``drafting.overlap
 The same proposer replays recorded greedy outputs step by step as replay drives it
 (``benchmarks.replay``: every hook in the order of vLLM's step, drafts made before sampling and
 ``after_handover``, which precomputes the next drafts when that is on, included). Only
-``propose`` is timed: it is what vLLM waits for. Between two steps runs what happens between two decoding steps in the engine, or
-nothing:
+``propose`` is timed: it is what vLLM waits for. Between two steps runs what happens between
+two decoding steps in the engine, or nothing:
 
 - ``nothing``: the steps back to back, as in offline replay;
 - ``forward``: a forward of the target model on the last 64 tokens (transformers, float32: the
