@@ -58,40 +58,29 @@ def between_steps(kind: str, model: Any) -> Callable[[np.ndarray], None]:
     return forward
 
 
-class BetweenSteps(Replay):
-    """Replay's steps (every hook of the proposer in the order of vLLM's step, drafts made
-    before sampling included), with ``between`` run where the forward runs and only
-    ``propose`` timed."""
-
-    def __init__(self, proposer: Any, between: Callable[[np.ndarray], None]) -> None:
-        super().__init__(proposer, StepCosts(proposer.config.drafting.draft_token_cost))
-        self.between = between
-        self.propose_ns: list[int] = []
-        propose = proposer.propose
-
-        def timed_propose(*args: Any) -> list[list[int]]:
-            start = time.perf_counter_ns()
-            drafts = propose(*args)
-            self.propose_ns.append(time.perf_counter_ns() - start)
-            return drafts
-
-        proposer.propose = timed_propose
-
-    def forward(self, batch: list[Any]) -> np.ndarray:
-        base = super().forward(batch)
-        self.between(self.tokens[0, :base[0]])
-        return base
-
-
 def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Callable,
                  max_steps: int) -> np.ndarray:
-    """Nanoseconds of each ``propose`` over the records' greedy steps (a request at a time;
-    each is finished as vLLM finishes it, so a served store learns from them)."""
-    steps = BetweenSteps(proposer, between)
+    """Nanoseconds of each ``propose`` over the records' greedy steps, as replay drives the
+    proposer (every hook in the order of vLLM's step, drafts made before sampling included),
+    ``between`` run where the forward runs (a request at a time; each is finished as vLLM
+    finishes it, so a served store learns from them)."""
+    times: list[int] = []
+    propose = proposer.propose
+
+    def timed_propose(*args: Any) -> list[list[int]]:
+        # Only propose: the rest of the step's hooks are not what this tool compares.
+        start = time.perf_counter_ns()
+        drafts = propose(*args)
+        times.append(time.perf_counter_ns() - start)
+        return drafts
+
+    proposer.propose = timed_propose
+    steps = Replay(proposer, StepCosts(proposer.config.drafting.draft_token_cost),
+                   between=between)
     steps.serve(list(enumerate(records)))
-    while len(steps.propose_ns) < max_steps and steps.advance():
+    while len(times) < max_steps and steps.advance():
         pass
-    times = steps.propose_ns[:max_steps]
+    times = times[:max_steps]
     return np.asarray(times[len(times) // 10:])  # the first steps compile and warm up
 
 

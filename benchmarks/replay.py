@@ -52,7 +52,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -245,8 +245,12 @@ class Replay:
     """Recorded requests through a drafter, step by step as vLLM's runner drives it."""
 
     def __init__(self, drafter: RetrievalProposer | SuffixPeer | NgramPeer, costs: StepCosts,
-                 states: Any = None, batch: int = 1, trace: bool = False) -> None:
+                 states: Any = None, batch: int = 1, trace: bool = False,
+                 between: Callable[[np.ndarray], None] | None = None) -> None:
         self.drafter, self.costs, self.states, self.batch = drafter, costs, states, batch
+        #: Run where the forward runs, given the first row's tokens before this step's
+        #: (``benchmarks.critical_path``: a real forward, or a read of the context).
+        self.between = between
         #: The simulated clock (ns); each forward advances it by its cost.
         self.now = 0
         if isinstance(drafter, RetrievalProposer):
@@ -359,6 +363,8 @@ class Replay:
             self.now += round(PLAIN_STEP_NS * units)
             base[i] = r.num_tokens
             self.tokens[i, :base[i]] = r.sequence[:base[i]]
+        if self.between is not None:
+            self.between(self.tokens[0, :base[0]])
         return base
 
     def states_at(self, batch: list[Request], positions: list[np.ndarray],

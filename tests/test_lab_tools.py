@@ -89,11 +89,17 @@ def test_critical_path_drives_the_hooks_as_vllms_step_does_drafts_before_samplin
     proposer = critical_path.offline_proposer(
         {"method": "pld", "num_speculative_tokens": 8, "precompute_drafts": False,
          "draft_budget_ms": 0})
-    us = critical_path.replay_steps(proposer, records, critical_path.between_steps("nothing", None),
-                                    max_steps=20)
+    contexts = []
+    us = critical_path.replay_steps(proposer, records, lambda context: contexts.append(
+        context.tolist()), max_steps=20)
     stats = proposer.stats()
     proposer.close()
     assert len(us) > 0 and stats.get("precomputed_used", 0) > 0
+    # What runs between steps sees each step's context: the prompt, then what was accepted.
+    sequence = records[0]["prompt"] + records[0]["output"]
+    assert contexts[0] == records[0]["prompt"]
+    assert all(context == sequence[:len(context)] for context in contexts)
+    assert [len(c) for c in contexts] == sorted({len(c) for c in contexts})
 
 
 def test_pca_fit_memory_fits_on_the_rows_the_dense_index_samples(tmp_path, monkeypatch):
