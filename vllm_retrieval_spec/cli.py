@@ -268,6 +268,18 @@ def _has_option(argv: list[str], *names: str) -> bool:
     return any(a.split("=")[0] in names for a in argv)
 
 
+def add_calibration_plan(parser: argparse.ArgumentParser, lengths: str) -> None:
+    """The flags of what a calibration measures (``calibrate`` and ``bench.verify_cost``):
+    parsed here, so a bad number is refused before any engine; ``lengths``: the default."""
+    parser.add_argument("--contexts", type=ints_at_least(1), default="50,700",
+                        help="prompt lengths in tokens")
+    parser.add_argument("--lengths", type=ints_at_least(0), default=lengths,
+                        help="draft lengths: 0 and at least two of 2 or more")
+    parser.add_argument("--repeats", type=int_at_least(1), default=3)
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=32,
+                        help="steps per measurement")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-rsd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -402,13 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure what verifying draft tokens costs on this "
                                          "machine; print the options to use")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--contexts", type=ints_at_least(1), default="50,700",
-                   help="prompt lengths in tokens")
-    p.add_argument("--lengths", type=ints_at_least(0), default="0,1,2,3,4,6,8,12,16",
-                   help="draft lengths: 0 and at least two of 2 or more")
-    p.add_argument("--repeats", type=int_at_least(1), default=3)
-    p.add_argument("--max-tokens", type=int_at_least(1), default=32,
-                   help="steps per measurement")
+    add_calibration_plan(p, lengths="0,1,2,3,4,6,8,12,16")
     p.add_argument("-o", "--output", help="also write the options and the step times as JSON")
     p.add_argument("--verbose", action="store_true", help="show vLLM's log")
     p.set_defaults(func=calibrate_command)

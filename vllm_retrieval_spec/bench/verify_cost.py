@@ -174,19 +174,12 @@ def main(argv: list[str] | None = None) -> None:
         markdown_table, module_command, results_document, write_report)
     from vllm_retrieval_spec.bench.throughput import MODEL_NAME, reported_model
 
-    from vllm_retrieval_spec.cli import int_at_least, ints_at_least, resolve_model
+    from vllm_retrieval_spec.cli import add_calibration_plan, resolve_model
 
-    # The types of `vllm-rsd calibrate`'s flags: a bad number is refused by the parser.
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=MODEL_NAME)
-    parser.add_argument("--contexts", type=ints_at_least(1), default="50,700",
-                        help="prompt lengths in tokens")
-    parser.add_argument("--lengths", type=ints_at_least(0), default="0,1,2,3,4,5,6,7,8",
-                        help="draft lengths")
-    parser.add_argument("--repeats", type=int_at_least(1), default=3)
-    parser.add_argument("--max-tokens", type=int_at_least(1), default=32,
-                        help="steps per measurement")
+    add_calibration_plan(parser, lengths="0,1,2,3,4,5,6,7,8")
     parser.add_argument("--run-name", default="verify-cost")
     parser.add_argument("--output-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
