@@ -29,6 +29,7 @@ from benchmarks.replay import Replay, StepCosts, build_proposer, load_records
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.bench.throughput import reported_model
+from vllm_retrieval_spec.cli import int_at_least
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 
 RESULTS = Path(__file__).parent / "results"
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                         '{"method": "hybrid", "num_speculative_tokens": 24}]',
                         help="JSON list of speculative_config dicts")
     parser.add_argument("--between", default=",".join(BETWEEN))
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per row")
+    parser.add_argument("--steps", type=int_at_least(1), default=300, help="timed steps per row")
     parser.add_argument("--model", help="model folder (default: the cached SmolLM2)")
     parser.add_argument("--output-dir", help="write critical-path.json and .md there")
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ import numpy as np
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.bench.throughput import reported_model
+from vllm_retrieval_spec.cli import int_at_least
 from vllm_retrieval_spec.datastore.format import DatastoreError
 
 COLUMNS = ("datastore", "num_keys", "explained_variance", "queries", "top_n", "self_mrr_exact",
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outputs", required=True, help="<run>.plain.jsonl")
     parser.add_argument("--model", required=True, help="model folder")
     parser.add_argument("--task", help="only this task's records")
-    parser.add_argument("--top-n", type=int, default=32)
+    parser.add_argument("--top-n", type=int_at_least(1), default=32)
     parser.add_argument("--run-name", default="dense-search")
     parser.add_argument("--output-dir", default="benchmarks/results")
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ import numpy as np
 from vllm_retrieval_spec.assets import cache_dir
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.cli import int_at_least
 from vllm_retrieval_spec.datastore import (
     SuffixArrayDatastore,
     build_datastore_from_token_ids,
@@ -117,12 +118,12 @@ def sample_contexts(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=50_000_000)
+    parser.add_argument("--tokens", type=int_at_least(1), default=50_000_000)
     parser.add_argument("--datastore", type=Path, help="default: a cache dir named by size")
     parser.add_argument("--synthetic", action="store_true", help="even if the tokenizer exists")
-    parser.add_argument("--lookups", type=int, default=10_000)
-    parser.add_argument("--max-occurrences", type=int, default=64)
-    parser.add_argument("--continuation-len", type=int, default=10)
+    parser.add_argument("--lookups", type=int_at_least(1), default=10_000)
+    parser.add_argument("--max-occurrences", type=int_at_least(1), default=64)
+    parser.add_argument("--continuation-len", type=int_at_least(1), default=10)
     parser.add_argument("--output-dir", type=Path, help="write the result there as JSON + md")
     args = parser.parse_args(argv)
 

@@ -139,12 +139,14 @@ def measure(num_states: int, hidden_size: int, dims: int, fit_samples: int, chun
 
 
 def main(argv: list[str] | None = None) -> None:
+    from vllm_retrieval_spec.cli import int_at_least
+
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="200000x4096,50000x4096,200000x2048",
                         help="comma-separated NUM_STATESxHIDDEN_SIZE")
-    parser.add_argument("--dims", type=int, default=64)
-    parser.add_argument("--fit-samples", type=int, default=1_000_000)
+    parser.add_argument("--dims", type=int_at_least(1), default=64)
+    parser.add_argument("--fit-samples", type=int_at_least(1), default=1_000_000)
     parser.add_argument("--chunk-bytes", type=int, default=None,
                         help="default: the fit's own (projection.CHUNK_BYTES)")
     parser.add_argument("--tmp-dir", type=Path, default=Path(tempfile.gettempdir()))

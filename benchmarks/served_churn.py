@@ -25,6 +25,7 @@ from benchmarks.served_store import recorded_requests
 from vllm_retrieval_spec.assets import model_path
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.cli import int_at_least
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 
@@ -65,10 +66,10 @@ class Churn:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--served-max-tokens", type=int, default=100_000)
+    parser.add_argument("--requests", type=int_at_least(1), default=20_000)
+    parser.add_argument("--served-max-tokens", type=int_at_least(1), default=100_000)
     parser.add_argument("--save-minutes", type=float, default=0.05)
-    parser.add_argument("--sample-every", type=int, default=1000)
+    parser.add_argument("--sample-every", type=int_at_least(1), default=1000)
     parser.add_argument("--run-name", default="served-churn")
     parser.add_argument("--output-dir", help="write <run-name>.json and .md there")
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ import numpy as np
 
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
+from vllm_retrieval_spec.cli import int_at_least
 from vllm_retrieval_spec.datastore.format import SEPARATOR, DatastoreError, load_datastore
 from vllm_retrieval_spec.datastore.served import ServedStore
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--datastore", required=True,
                         help="a REST datastore whose documents fill the store past the records")
     parser.add_argument("--tokens", default="100000,1000000", help="store sizes to measure")
-    parser.add_argument("--lookups", type=int, default=10_000)
+    parser.add_argument("--lookups", type=int_at_least(1), default=10_000)
     parser.add_argument("--output-dir", help="write served-store.json and .md there")
     args = parser.parse_args(argv)
     # Opened before any store is filled: a wrong path is a one-line error, not a traceback

@@ -60,6 +60,7 @@ from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
 from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN, task_prompts
 from vllm_retrieval_spec.bench.throughput import NGRAM_OPTIONS, BenchSettings, reported_model
+from vllm_retrieval_spec.cli import int_at_least
 
 SAMPLE_S = 10.0
 #: The fixed prompts sent again and again (greedy): code-gen 0..3; the control prompt of the
@@ -643,10 +644,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the cached SmolLM2-135M-Instruct")
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-requests", type=int, default=20_000)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--served-max-tokens", type=int, default=100_000,
+    p.add_argument("--concurrency", type=int_at_least(1), default=8)
+    p.add_argument("--max-requests", type=int_at_least(1), default=20_000)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=48)
+    p.add_argument("--served-max-tokens", type=int_at_least(1), default=100_000,
                    help="small enough that the soak fills it and evicts")
     p.add_argument("--flush-ms", type=float, default=1000.0)
     p.add_argument("--save-minutes", type=float, default=2.0,

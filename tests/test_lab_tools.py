@@ -192,3 +192,24 @@ def test_the_lab_tools_run_vllms_ngram_as_vllm_rsd_bench_does():
     bench = method_runs(["ngram"], 8, {})[1].speculative_config
     assert bench == {"method": "ngram", "num_speculative_tokens": 8, **NGRAM_OPTIONS}
     assert bench == {"method": "ngram", **NgramPeer.DEFAULTS} == PEER_SPECS["ngram"]
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("critical_path", ["--steps", "0"]),
+    ("served_churn", ["--sample-every", "0"]),
+    ("served_churn", ["--requests", "-1"]),
+    ("lookup_latency", ["--lookups", "0"]),
+    ("served_store", ["--datastore", "ds", "--lookups", "0"]),
+    ("dense_search", ["--top-n", "0"]),
+    ("pca_fit_memory", ["--dims", "0"]),
+    ("soak", ["--concurrency", "0"]),
+])
+def test_a_count_of_zero_is_refused_by_the_parser(module, argv, capsys):
+    # A zero count divided by zero, or took a percentile of nothing, after the work it measures.
+    import importlib
+
+    tool = importlib.import_module(f"benchmarks.{module}")
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {argv[-2]}: must be 1 or more, got {argv[-1]}" in capsys.readouterr().err
