@@ -389,6 +389,11 @@ class Replay:
         layer = self.drafter.capabilities.aux_hidden_state_layers[0]
         return [self.states_at(batch, computed, layer)], segments
 
+    def drop_step_times(self) -> None:
+        """Forget the drafting times kept per step for ``summary`` (a long run's memory)."""
+        self.draft_ns.clear()
+        self.critical_ns.clear()
+
     def summary(self) -> dict[str, Any]:
         return summarize([self], [self.counters()])
 

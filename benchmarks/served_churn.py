@@ -57,10 +57,9 @@ class Churn:
         self.replay.serve([(n, record)])
         while self.replay.advance():
             pass
-        # Replay keeps every step's drafting time for its summary; kept over tens of thousands
-        # of requests they would be the growth this tool measures.
-        self.replay.draft_ns.clear()
-        self.replay.critical_ns.clear()
+        # Kept over tens of thousands of requests, the step times would be the growth this
+        # tool measures.
+        self.replay.drop_step_times()
 
 
 def main(argv: list[str] | None = None) -> None:
