@@ -23,7 +23,7 @@ import numpy as np
 
 from vllm_retrieval_spec.bench.report import (
     markdown_table, module_command, results_document, write_report)
-from vllm_retrieval_spec.cli import int_at_least
+from vllm_retrieval_spec.cli import int_at_least, ints_at_least
 from vllm_retrieval_spec.datastore.format import SEPARATOR, DatastoreError, load_datastore
 from vllm_retrieval_spec.datastore.served import ServedStore
 
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datastore", required=True,
                         help="a REST datastore whose documents fill the store past the records")
-    parser.add_argument("--tokens", default="100000,1000000", help="store sizes to measure")
+    parser.add_argument("--tokens", type=ints_at_least(1), default="100000,1000000",
+                        help="store sizes to measure")
     parser.add_argument("--lookups", type=int_at_least(1), default=10_000)
     parser.add_argument("--output-dir", help="write served-store.json and .md there")
     args = parser.parse_args(argv)
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = np.asarray(load_datastore(args.datastore, verify_checksums=False).tokens)
     except DatastoreError as e:
         raise SystemExit(f"error: {e}") from None
-    rows = [measure(int(n), tokens, args.lookups) for n in args.tokens.split(",")]
+    rows = [measure(n, tokens, args.lookups) for n in args.tokens]
     columns = [(key, key) for key in rows[0]]
     print("\n".join(markdown_table(columns, rows)))
     if args.output_dir:
