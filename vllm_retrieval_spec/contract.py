@@ -15,8 +15,9 @@ One decoding step of vLLM 0.32's ``GPUModelRunner``, in order, with the hooks it
 2. ``_model_forward``: the forward. Right after it, ``search_ahead(states)`` (capability
    ``last_hidden_states``) with the hidden states of the rows vLLM will sample.
 3. ``_sample``: before vLLM samples, ``observe_batch`` (every step), then
-   ``draft_before_sampling`` (capability ``drafts_before_sampling``) with what each greedy
-   request will sample, read from the logits.
+   ``draft_before_sampling`` (capability ``drafts_before_sampling``) with what each row will
+   sample: a greedy request's tokens, read from the logits; None for a sampled one; nothing
+   for a row whose token vLLM discards (a partial prefill).
 4. ``propose_draft_token_ids``: ``record_hidden_states`` (``aux_hidden_state_layers``) and
    ``record_last_hidden_states`` (``last_hidden_states``), then vLLM's ``propose``.
 5. Once the drafts are handed over (``_copy_draft_token_ids_to_cpu`` on vLLM-CPU, after the next
@@ -51,7 +52,8 @@ class Capabilities:
     #: Drafts can be made before the tokens they follow are sampled (the method's
     #: ``followers``): precomputed after the handover, or made from the logits.
     precomputable: bool = False
-    #: The plugin calls ``draft_before_sampling`` with the greedy rows' sampled tokens.
+    #: The plugin calls ``draft_before_sampling`` with what each row will sample (the
+    #: greedy rows' tokens, read from the logits).
     drafts_before_sampling: bool = False
     #: ``observe_batch`` gets each row's ``served_store_key`` (hybrid, ``per_request``).
     served_store_keys: bool = False
