@@ -499,6 +499,26 @@ def test_a_purge_of_a_stopped_fleet_leaves_no_snapshot_holding_the_requests(tmp_
     assert len(list_snapshots(tmp_path)) == 2
 
 
+def test_a_purge_falls_back_from_a_newest_snapshot_that_does_not_load(tmp_path, caplog):
+    a = replica(tmp_path, "h-1-a", keyed=True)
+    serve(a, "1", SECRET, key="x")
+    a.writer.flush()
+    a.compact(force=True)
+    serve(a, "2", [2, 2], key="y")
+    a.writer.flush()
+    newest = a.compact(force=True)
+    a.close()
+    (newest / "tokens.npy").write_bytes(b"garbage")
+    settle(tmp_path)
+    time.sleep(0.01)
+    # Before: the newest snapshot's DatastoreError stopped the purge, which removed nothing.
+    with caplog.at_level(logging.WARNING):
+        assert purge(tmp_path, key="x")[1] == 1
+    assert "does not load" in caplog.text
+    assert files_holding(tmp_path, SECRET) == []
+    assert stored(replica(tmp_path, "h-2-b", keyed=True), "y") == [[2, 2]]
+
+
 def test_a_snapshot_whose_times_and_keys_are_damaged_is_taken_to_hold_purged_requests(
         tmp_path):
     a = replica(tmp_path, "h-1-a")

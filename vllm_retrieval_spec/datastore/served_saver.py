@@ -186,6 +186,18 @@ def read_snapshot(path: Path, fingerprint: str) -> Snapshot:
     return Snapshot(path, {str(k): int(v) for k, v in served["segments"].items()}, entries)
 
 
+def read_newest_snapshot(snapshots: list[Path], fingerprint: str) -> Snapshot | None:
+    """The newest of ``snapshots`` (newest first) that loads, or None; one that does not is
+    logged and skipped, so that a damaged snapshot costs the requests it alone holds."""
+    for path in snapshots:
+        try:
+            return read_snapshot(path, fingerprint)
+        except (DatastoreError, OSError, ValueError, KeyError) as e:
+            logger.warning("served store: snapshot %s does not load (%s); trying an older "
+                           "one", path, e)
+    return None
+
+
 def check_served_directory(path: Path, fingerprint: str, keyed: bool, *,
                            verify_checksums: bool = True) -> None:
     """The front-end's start-up check of a ``served_datastore`` directory: the tokens it holds
@@ -413,26 +425,21 @@ class ServedDirectory:
     def _load_snapshot(self, snapshots: list[Path]) -> tuple[dict[str, int], int]:
         """Load the newest of ``snapshots`` that loads; returns the offsets it includes and how
         many requests were stored."""
-        for path in snapshots:
-            try:
-                snapshot = read_snapshot(path, self.tokenizer.fingerprint)
-            except (DatastoreError, OSError, ValueError, KeyError) as e:
-                logger.warning("served store: snapshot %s does not load (%s); trying an older "
-                               "one", path, e)
-                continue
-            cutoff = self._cutoff_ms()
-            documents: list[np.ndarray | None] = [None] * len(snapshot.entries)
-            # Oldest first, so that bounds evict the oldest.
-            for i in sorted(range(len(snapshot.entries)),
-                            key=lambda i: snapshot.entries[i].time_ms):
-                e = snapshot.entries[i]
-                if e.time_ms >= cutoff and not self.purges.drops(e.time_ms, e.key) \
-                        and self.keyed != (e.key == NO_KEY):
-                    documents[i] = self._add(e.key, e.doc_id, e.tokens, e.time_ms)
-            if self.dense is not None and (path / DENSE_DIR).is_dir():
-                self._load_dense(path, snapshot.entries, documents)
-            return snapshot.segments, sum(d is not None for d in documents)
-        return {}, 0
+        snapshot = read_newest_snapshot(snapshots, self.tokenizer.fingerprint)
+        if snapshot is None:
+            return {}, 0
+        cutoff = self._cutoff_ms()
+        documents: list[np.ndarray | None] = [None] * len(snapshot.entries)
+        # Oldest first, so that bounds evict the oldest.
+        for i in sorted(range(len(snapshot.entries)),
+                        key=lambda i: snapshot.entries[i].time_ms):
+            e = snapshot.entries[i]
+            if e.time_ms >= cutoff and not self.purges.drops(e.time_ms, e.key) \
+                    and self.keyed != (e.key == NO_KEY):
+                documents[i] = self._add(e.key, e.doc_id, e.tokens, e.time_ms)
+        if self.dense is not None and (snapshot.path / DENSE_DIR).is_dir():
+            self._load_dense(snapshot.path, snapshot.entries, documents)
+        return snapshot.segments, sum(d is not None for d in documents)
 
     def _load_dense(self, path: Path, entries: list[Entry],
                     documents: list[np.ndarray | None]) -> None:
@@ -645,8 +652,9 @@ def purge(directory: str | Path, *, key: str | None = None,
         return None, 0
     try:
         snapshots = list_snapshots(directory)
-        snapshot = read_snapshot(snapshots[0], facts.tokenizer.fingerprint) if snapshots \
-            else Snapshot(directory, {}, [])
+        # As start-up: a newest that does not load falls back to the one before.
+        snapshot = read_newest_snapshot(snapshots, facts.tokenizer.fingerprint) \
+            or Snapshot(directory, {}, [])
         # Reads every segment, its own writer's included (an empty replica name is nobody's).
         reader = JournalReader(directory, "", snapshot.segments)
         read = snapshot.entries + [Entry(r.key, r.doc_id, r.time_ms, r.tokens)
