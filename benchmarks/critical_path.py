@@ -3,9 +3,10 @@ it on the critical path when the next drafts are precomputed (``drafting.overlap
 
 The same proposer replays recorded greedy outputs step by step as replay drives it
 (``benchmarks.replay``: every hook in the order of vLLM's step, drafts made before sampling and
-``after_handover``, which precomputes the next drafts when that is on, included). Only
-``propose`` is timed: it is what vLLM waits for. Between two steps runs what happens between
-two decoding steps in the engine, or nothing:
+``after_handover``, which precomputes the next drafts when that is on, included). What is timed
+is what vLLM waits for: every hook from the forward's end to the drafts handed over (replay's
+``critical_ns``; ``after_handover`` overlaps the next forward). Between two steps runs what
+happens between two decoding steps in the engine, or nothing:
 
 - ``nothing``: the steps back to back, as in offline replay;
 - ``forward``: a forward of the target model on the last 64 tokens (transformers, float32: the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,27 +61,16 @@ def between_steps(kind: str, model: Any) -> Callable[[np.ndarray], None]:
 
 def replay_steps(proposer: Any, records: list[dict[str, list[int]]], between: Callable,
                  max_steps: int) -> np.ndarray:
-    """Nanoseconds of each ``propose`` over the records' greedy steps, as replay drives the
-    proposer (every hook in the order of vLLM's step, drafts made before sampling included),
-    ``between`` run where the forward runs (a request at a time; each is finished as vLLM
-    finishes it, so a served store learns from them)."""
-    times: list[int] = []
-    propose = proposer.propose
-
-    def timed_propose(*args: Any) -> list[list[int]]:
-        # Only propose: the rest of the step's hooks are not what this tool compares.
-        start = time.perf_counter_ns()
-        drafts = propose(*args)
-        times.append(time.perf_counter_ns() - start)
-        return drafts
-
-    proposer.propose = timed_propose
+    """Nanoseconds of each step's drafting that the step waits for (replay's ``critical_ns``:
+    every hook from the forward's end to the drafts handed over), over the records' greedy
+    steps as replay drives the proposer, ``between`` run where the forward runs (a request at a
+    time; each is finished as vLLM finishes it, so a served store learns from them)."""
     steps = Replay(proposer, StepCosts(proposer.config.drafting.draft_token_cost),
                    between=between)
     steps.serve(list(enumerate(records)))
-    while len(times) < max_steps and steps.advance():
+    while len(steps.critical_ns) < max_steps and steps.advance():
         pass
-    times = times[:max_steps]
+    times = steps.critical_ns[:max_steps]
     return np.asarray(times[len(times) // 10:])  # the first steps compile and warm up
 
 
@@ -139,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                 proposer.close()
                 rows.append({"method": options["method"], "between_steps": kind,
                              "precompute_drafts": precompute, "steps": len(us),
-                             "propose_us_p50": round(float(np.percentile(us, 50)), 1),
-                             "propose_us_p90": round(float(np.percentile(us, 90)), 1),
+                             "critical_us_p50": round(float(np.percentile(us, 50)), 1),
+                             "critical_us_p90": round(float(np.percentile(us, 90)), 1),
                              "precomputed_used": stats.get("precomputed_used", 0),
                              "precomputed_missed": stats.get("precomputed_missed", 0)})
                 print(rows[-1], flush=True)

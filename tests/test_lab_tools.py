@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -89,12 +90,22 @@ def test_critical_path_drives_the_hooks_as_vllms_step_does_drafts_before_samplin
     proposer = critical_path.offline_proposer(
         {"method": "pld", "num_speculative_tokens": 8, "precompute_drafts": False,
          "draft_budget_ms": 0})
+    draft_before_sampling = proposer.draft_before_sampling
+
+    def slow_draft_before_sampling(*args):
+        time.sleep(0.002)
+        return draft_before_sampling(*args)
+
+    proposer.draft_before_sampling = slow_draft_before_sampling
     contexts = []
-    us = critical_path.replay_steps(proposer, records, lambda context: contexts.append(
+    ns = critical_path.replay_steps(proposer, records, lambda context: contexts.append(
         context.tolist()), max_steps=20)
     stats = proposer.stats()
     proposer.close()
-    assert len(us) > 0 and stats.get("precomputed_used", 0) > 0
+    assert len(ns) > 0 and stats.get("precomputed_used", 0) > 0
+    # The drafts made before sampling are on the critical path too. Before: only propose was
+    # timed, which hands them out.
+    assert ns.min() >= 2_000_000
     # What runs between steps sees each step's context: the prompt, then what was accepted.
     sequence = records[0]["prompt"] + records[0]["output"]
     assert contexts[0] == records[0]["prompt"]
