@@ -213,6 +213,62 @@ def test_a_row_whose_token_vllm_discards_samples_nothing_before_sampling():
     drafter.report_failure.assert_not_called()
     assert drafter.draft_before_sampling.call_args.args[:2] == ([[5], None, []], [[], [], []])
 
+def test_the_drafting_timer_counts_what_the_engine_waits_for_as_critical():
+    from vllm_retrieval_spec.metrics import DraftingTimer
+
+    timer = DraftingTimer(capacity=1)
+    for waited in (False, True):
+        timer.add_before(3_000_000)
+        timer.record(1_000_000)
+        timer.add_after(2_000_000, waited)
+    # Before: the critical part was the handover alone (1 ms), though sampling waits for the
+    # drafts made before it.
+    assert (timer.last_critical_ns(), timer.last_total_ns()) == (6_000_000, 6_000_000)
+    summary = timer.summary()
+    assert summary["steps"] == 2 and summary["p50_ms"] == 6.0
+    assert sorted([summary["critical_p50_ms"], summary["critical_p99_ms"]]) == \
+        pytest.approx([5.0, 5.98])
+
+
+def test_drafting_before_sampling_and_after_the_handover_on_cpu_is_critical(monkeypatch):
+    """On vLLM-CPU nothing runs beside our drafting: the part the engine waits for, as the
+    ``vllm_rsd:drafting_critical_seconds`` series hears it, is all of it."""
+    import time
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    from vllm_retrieval_spec.contract import Capabilities, Drafter
+    from vllm_retrieval_spec.patches.drafter import (
+        after_handover, timed_with_hidden_states, with_drafts_before_sampling)
+
+    SamplingParams = pytest.importorskip("vllm").SamplingParams
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.capabilities = Capabilities(drafts_before_sampling=True)
+    drafter.has_work_after_handover = True
+    drafter.draft_before_sampling.side_effect = lambda *args: time.sleep(0.003)
+    drafter.after_handover.side_effect = lambda *args: time.sleep(0.002)
+    runner = SimpleNamespace(
+        drafter=drafter, kv_caches=[], device=torch.device("cpu"),
+        requests={"g": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))},
+        input_batch=SimpleNamespace(req_ids=["g"], num_tokens_no_spec=np.array([2]),
+                                    token_ids_cpu=np.zeros((1, 4), dtype=np.int32)),
+        discard_request_mask=SimpleNamespace(np=np.array([False])))
+    with_drafts_before_sampling(lambda *args: None)(runner, torch.zeros(1, 10), None)
+    timed_with_hidden_states(lambda *args: [[1]])(runner, None, [[5]], None, None, None, None,
+                                                  None, None, None)
+    after_handover(lambda *args: None)(runner)
+    drafter.report_failure.assert_not_called()
+    # The critical part is heard once the work after the handover is done, with all of it.
+    first, second = drafter.observe_drafting_time.call_args_list
+    assert first.args == (None, None)
+    critical_s, total_s = second.args
+    assert critical_s == total_s and critical_s >= 0.005
+    timer = runner._rsd_drafting_timer
+    assert timer.last_critical_ns() == timer.last_total_ns()
+
+
 def test_finished_requests_are_told_with_their_tokens_in_the_batch():
     """Before vLLM removes them: each finished request's row, every token sampled (those of
     steps vLLM called no propose for included); one not in the batch (preempted) has none."""

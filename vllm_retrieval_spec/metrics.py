@@ -9,9 +9,11 @@ import numpy as np
 
 class DraftingTimer:
     """Drafting time of every step (one call for the whole batch), in nanoseconds: the critical
-    part, from vLLM handing over the sampled tokens to the drafts going back, and the total,
-    which adds the work done before sampling (``add_before``) and after the drafts were handed
-    over (``add_after``, precomputing the next step's drafts).
+    part, what the engine waits for (the work done before sampling, ``add_before``; from vLLM
+    handing over the sampled tokens to the drafts going back, ``record``; on vLLM-CPU, where no
+    forward runs beside it, the work after the handover too), and the total, which adds the
+    work done after the drafts were handed over while the next forward runs (``add_after``,
+    precomputing the next step's drafts).
 
     Appending to preallocated arrays keeps the cost per step at a few hundred nanoseconds;
     when they are full, the buffers double.
@@ -27,19 +29,26 @@ class DraftingTimer:
         """Drafting work of the coming step done before its sampled tokens are known."""
         self._before += elapsed_ns
 
-    def record(self, critical_ns: int) -> None:
+    def record(self, handover_ns: int) -> None:
+        """The step's drafts went back to vLLM ``handover_ns`` after its sampled tokens came."""
         if self._count == len(self._critical):
             self._critical = np.concatenate([self._critical, np.zeros_like(self._critical)])
             self._total = np.concatenate([self._total, np.zeros_like(self._total)])
-        self._critical[self._count] = critical_ns
-        self._total[self._count] = self._before + critical_ns
+        # Sampling waits for the work before it: it is as critical as the call after it.
+        self._critical[self._count] = self._total[self._count] = self._before + handover_ns
         self._before = 0
         self._count += 1
 
-    def add_after(self, elapsed_ns: int) -> None:
-        """Drafting work of the last recorded step done after its drafts were handed over."""
+    def add_after(self, elapsed_ns: int, waited: bool) -> None:
+        """Drafting work of the last recorded step done after its drafts were handed over;
+        ``waited``: the next step waited for it (nothing ran beside it)."""
         if self._count:
             self._total[self._count - 1] += elapsed_ns
+            if waited:
+                self._critical[self._count - 1] += elapsed_ns
+
+    def last_critical_ns(self) -> int:
+        return int(self._critical[self._count - 1]) if self._count else 0
 
     def last_total_ns(self) -> int:
         return int(self._total[self._count - 1]) if self._count else 0
@@ -113,11 +122,12 @@ def _prometheus_metrics() -> dict[str, object]:
         _metrics.update(
             drafting_seconds=Histogram(
                 p + "drafting_seconds", "Drafting time per engine step, whole batch: before "
-                "sampling, after it (the critical part) and after the drafts were handed over",
+                "sampling, after it, and after the drafts were handed over",
                 ["method"], buckets=_DRAFTING_BUCKETS),
             drafting_critical_seconds=Histogram(
                 p + "drafting_critical_seconds", "Drafting time per engine step, whole batch, "
-                "from the sampled tokens being handed over to the drafts going back",
+                "that the step waits for: before sampling and from the sampled tokens being "
+                "handed over to the drafts going back",
                 ["method"], buckets=_DRAFTING_BUCKETS),
             lookups=Counter(p + "lookups", "Draft attempts (one per request per step, where "
                             "it has room to draft before max_model_len)", ["method"]),

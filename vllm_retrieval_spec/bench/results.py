@@ -100,7 +100,7 @@ def task_row(run: MethodRun, num_speculative_tokens: int | None, task: str,
         "draft_tokens_per_forward": round(drafted / forwards, 3) if drafted else None,
         "draft_ms_p50": _round(drafting["p50_ms"]),
         "draft_ms_p99": _round(drafting["p99_ms"]),
-        # The part of drafting vLLM waits for: from the sampled tokens to the drafts.
+        # The part of drafting the engine waits for (``metrics.DraftingTimer``).
         "draft_critical_ms_p50": _round(drafting["critical_p50_ms"]),
         "draft_critical_ms_p99": _round(drafting["critical_p99_ms"]),
         # Wall time per target forward (per step at concurrency 1), drafting included.

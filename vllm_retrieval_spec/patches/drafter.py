@@ -124,8 +124,8 @@ def timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
     @functools.wraps(propose_draft_token_ids)
     def wrapper(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
-        # The critical part: vLLM hands over this step's sampled tokens here and waits for the
-        # drafts (for vLLM's own methods too: the timer wraps every drafter).
+        # vLLM hands over this step's sampled tokens here and waits for the drafts (for vLLM's
+        # own methods too: the timer wraps every drafter).
         start = time.perf_counter_ns()
         drafter = drafter_of(self)
         if drafter is not None:
@@ -140,9 +140,12 @@ def timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         timer = _drafting_timer(self)
         timer.record(elapsed)
         if drafter is not None:
-            # Without work after the handover, this step's drafting is done.
-            drafter.observe_drafting_time(elapsed / 1e9, None if drafter.has_work_after_handover
-                                          else timer.last_total_ns() / 1e9)
+            # Without work after the handover, this step's drafting is done; with it, so is
+            # the part the engine waits for, unless it waits for that work too.
+            done = not drafter.has_work_after_handover
+            drafter.observe_drafting_time(
+                timer.last_critical_ns() / 1e9 if done or _overlaps_forward(self.device)
+                else None, timer.last_total_ns() / 1e9 if done else None)
         return drafts
 
     return wrapper
@@ -185,18 +188,26 @@ def after_handover(method: Callable) -> Callable:
             with _failures_reported(drafter, "could not finish the step's drafting"):
                 drafter.after_handover(_forward_done(self.device))
             timer = _drafting_timer(self)
-            timer.add_after(time.perf_counter_ns() - start)
-            drafter.observe_drafting_time(None, timer.last_total_ns() / 1e9)
+            waited = not _overlaps_forward(self.device)
+            timer.add_after(time.perf_counter_ns() - start, waited)
+            drafter.observe_drafting_time(timer.last_critical_ns() / 1e9 if waited else None,
+                                          timer.last_total_ns() / 1e9)
         return result
 
     return wrapper
 
 
+def _overlaps_forward(device: Any) -> bool:
+    """Whether the work after the handover runs beside the next forward (launched on a GPU
+    before it) rather than before it (vLLM-CPU runs the forward on the same cores)."""
+    return device.type == "cuda"
+
+
 def _forward_done(device: Any) -> Callable[[], bool]:
     """Whether the work enqueued so far on ``device``'s current stream (the forward just
-    launched) is done. vLLM-CPU runs the forward before the hand-over, not beside it: never,
-    so drafts ahead are made in full."""
-    if device.type != "cuda":
+    launched) is done. Where the forward does not run beside the work after the handover:
+    never, so drafts ahead are made in full."""
+    if not _overlaps_forward(device):
         return lambda: False
     import torch
 
