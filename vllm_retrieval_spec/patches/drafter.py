@@ -238,12 +238,15 @@ def keeping_logits_indices(prepare_inputs: Callable) -> Callable:
 def telling_finished_requests(update_states: Callable) -> Callable:
     """Our drafter hears which requests vLLM finished at the start of every step: also in the
     empty step vLLM runs after a burst's last request to say so, which reaches no other hook
-    (hybrid journals those requests then, not at the next request, however late)."""
+    (hybrid journals those requests then, not at the next request, however late). The step's
+    forward waits for it, on every device: it is timed as work before sampling (after an
+    empty step, the next step that drafts holds it)."""
 
     @functools.wraps(update_states)
     def wrapper(self, scheduler_output):
         drafter = drafter_of(self)
         if drafter is not None and scheduler_output.finished_req_ids:
+            start = time.perf_counter_ns()
             with _failures_reported(drafter, "could not take finished requests"):
                 # Their rows are still in the batch (update_states removes them): every token
                 # sampled, those of steps with no propose included.
@@ -252,6 +255,7 @@ def telling_finished_requests(update_states: Callable) -> Callable:
                 drafter.observe_finished(scheduler_output.finished_req_ids, {
                     r: batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
                     for r, i in rows.items() if i is not None})
+            _drafting_timer(self).add_before(time.perf_counter_ns() - start)
         return update_states(self, scheduler_output)
 
     return wrapper
