@@ -323,6 +323,58 @@ def test_storing_the_requests_the_last_step_finished_is_drafting_the_step_waits_
     assert critical_s == total_s and critical_s >= 0.003
 
 
+def test_waiting_for_a_gpu_forward_to_read_the_logits_is_not_drafting(monkeypatch):
+    """With ``draft_before_sampling`` on a GPU, reading the logits waits for the forward, which
+    the step waits for anyway (vLLM's bookkeeping after sampling): the critical part holds the
+    drafting, not that wait. On a clock that only the stand-ins advance."""
+    import time
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    from vllm_retrieval_spec.contract import Capabilities, Drafter
+    from vllm_retrieval_spec.patches.drafter import (
+        timed_with_hidden_states, with_drafts_before_sampling)
+
+    now, running = [0], [True]
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: now[0])
+
+    def wait_for_the_forward():
+        if running[0]:
+            now[0] += 5_000_000
+            running[0] = False
+
+    class Logits:  # written by the forward, still running
+        device = torch.device("cuda", 0)
+
+        def detach(self):
+            return self
+
+        def cpu(self):
+            wait_for_the_forward()
+            return torch.zeros(1, 10)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(
+        synchronize=wait_for_the_forward))
+    SamplingParams = pytest.importorskip("vllm").SamplingParams
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.capabilities = Capabilities(drafts_before_sampling=True)
+    drafter.has_work_after_handover = False
+    drafter.draft_before_sampling.side_effect = lambda *args: now.__setitem__(0, now[0] + 1_000_000)
+    runner = SimpleNamespace(
+        drafter=drafter, kv_caches=[], device=torch.device("cuda", 0),
+        requests={"g": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))},
+        input_batch=SimpleNamespace(req_ids=["g"], num_tokens_no_spec=np.array([2]),
+                                    token_ids_cpu=np.zeros((1, 4), dtype=np.int32)),
+        discard_request_mask=SimpleNamespace(np=np.array([False])))
+    with_drafts_before_sampling(lambda *args: None)(runner, Logits(), None)
+    timed_with_hidden_states(lambda *args: [[1]])(runner, None, [[5]], None, None, None, None,
+                                                  None, None, None)
+    drafter.report_failure.assert_not_called()
+    assert drafter.observe_drafting_time.call_args.args == (0.001, 0.001)
+
+
 def test_workers_start_after_numba_is_loaded_in_the_same_process(undo_register):
     # An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) made after one that drafted: its
     # worker rebinds vLLM-CPU's kernel overrides while llvmlite (numba) is loaded.

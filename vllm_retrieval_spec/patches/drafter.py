@@ -101,11 +101,13 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
 
         keys = [served_store_key(p) for p in params]
     drafter.observe_batch(req_ids, greedy if verifier is not None else None, keys)
+    waited = 0
     if capabilities.drafts_before_sampling and logits is not None and any(greedy):
         import torch
 
         from vllm_retrieval_spec.drafting.overlap import sampled_before_sampling
 
+        waited = _wait_for_forward(logits.device)
         if spec_decode_metadata is None:
             num_drafts, drafts = [0] * len(req_ids), []
         else:
@@ -117,7 +119,20 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
             rows, num_drafts, drafts, greedy, runner.discard_request_mask.np[:len(req_ids)])
         drafter.draft_before_sampling(sampled, verified, runner.input_batch.num_tokens_no_spec,
                                       runner.input_batch.token_ids_cpu)
-    _drafting_timer(runner).add_before(time.perf_counter_ns() - start)
+    _drafting_timer(runner).add_before(time.perf_counter_ns() - start - waited)
+
+
+def _wait_for_forward(device: Any) -> int:
+    """Nanoseconds spent waiting for the forward launched on ``device`` (none on vLLM-CPU).
+    Reading the logits and the drafts on the host would wait for it anyway, as the step does
+    after sampling: that wait is the forward's time, not drafting's."""
+    if not _overlaps_forward(device):
+        return 0
+    import torch
+
+    start = time.perf_counter_ns()
+    torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter_ns() - start
 
 
 def timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
