@@ -4,9 +4,10 @@ it on the critical path when the next drafts are precomputed (``drafting.overlap
 The same proposer replays recorded greedy outputs step by step as replay drives it
 (``benchmarks.replay``: every hook in the order of vLLM's step, drafts made before sampling and
 ``after_handover``, which precomputes the next drafts when that is on, included). What is timed
-is what vLLM waits for: every hook from the forward's end to the drafts handed over (replay's
-``critical_ns``; ``after_handover`` overlaps the next forward). Between two steps runs what
-happens between two decoding steps in the engine, or nothing:
+is what vLLM on a GPU waits for: every hook from the forward's end to the drafts handed over
+(replay's ``critical_ns``; ``after_handover`` overlaps the next forward there, where vLLM-CPU
+waits for it too). Between two steps runs what happens between two decoding steps in the
+engine, or nothing:
 
 - ``nothing``: the steps back to back, as in offline replay;
 - ``forward``: a forward of the target model on the last 64 tokens (transformers, float32: the
