@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import VOCAB, batch, vllm_config
 from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
@@ -15,6 +16,7 @@ from vllm_retrieval_spec.drafting.overlap import (
     greedy_sampled,
     precompute_plan,
     rank_followers,
+    row_argmax,
     sampled_before_sampling,
 )
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
@@ -216,18 +218,37 @@ def test_greedy_sampled_is_the_accepted_draft_and_the_bonus_token():
         rows[np.arange(len(argmax)), argmax] = 1.0
         return rows
 
-    assert greedy_sampled([5, 6, 7], logits(5, 6, 9, 1)) == [5, 6, 9]
-    assert greedy_sampled([5, 6, 7], logits(5, 6, 7, 1)) == [5, 6, 7, 1]  # all accepted
-    assert greedy_sampled([5, 6, 7], logits(4, 6, 7, 1)) == [4]
-    assert greedy_sampled([], logits(8)) == [8]  # no draft: the plain step's token
-    # Ties go to the first maximum, as torch's argmax (vLLM's greedy sampler) does.
-    assert greedy_sampled([3], np.ones((2, 10), dtype=np.float32)) == [0]
-    class FirstRowOnly:
-        def __getitem__(self, row):
-            assert row == 0, "rows after the first rejection must not be read"
-            return logits(4)[0]
+    def sampled(draft, rows):
+        return greedy_sampled(draft, row_argmax(torch.from_numpy(rows)))
 
-    assert greedy_sampled([5, 6], FirstRowOnly()) == [4]
+    assert sampled([5, 6, 7], logits(5, 6, 9, 1)) == [5, 6, 9]
+    assert sampled([5, 6, 7], logits(5, 6, 7, 1)) == [5, 6, 7, 1]  # all accepted
+    assert sampled([5, 6, 7], logits(4, 6, 7, 1)) == [4]
+    assert sampled([], logits(8)) == [8]  # no draft: the plain step's token
+    # Ties go to the first maximum, as torch's argmax (vLLM's greedy sampler) does.
+    assert sampled([3], np.ones((2, 10), dtype=np.float32)) == [0]
+    assert sampled([3], np.ones((2, 10), dtype=np.float16)) == [0]
+
+    def first_row_only(row):
+        assert row == 0, "rows after the first rejection must not be read"
+        return 4
+
+    assert greedy_sampled([5, 6], first_row_only) == [4]
+
+
+def test_a_gpus_logits_stay_there_but_for_their_argmax():
+    """Before: every row of the step's logits was copied to the host (a Llama 3 row is 0.5 MB)."""
+    argmax = torch.tensor([7, 2, 9])
+
+    class DeviceLogits:
+        device = torch.device("meta")  # not the host: an accelerator's, as far as this goes
+
+        def argmax(self, dim):
+            assert dim == -1
+            return argmax
+
+    argmax_at = row_argmax(DeviceLogits())  # DeviceLogits has no cpu() or numpy(): not copied
+    assert [argmax_at(r) for r in range(3)] == [7, 2, 9]
 
 
 def _decode_drafting_before_sampling(proposer, truth: list[int], start: int, wrong_every: int,
@@ -428,6 +449,7 @@ def test_sampled_before_sampling_knows_greedy_tokens_and_rows_that_sample_nothin
     logits = np.zeros((5, 10), dtype=np.float32)
     logits[[0, 1, 2, 3, 4], [5, 6, 8, 2, 3]] = 1.0
     # Rows: greedy with draft [5, 7] (logits 0-2), sampled (3), greedy partial prefill (4).
-    sampled, verified = sampled_before_sampling(logits, [2, 0, 0], [5, 7], [True, False, True],
+    sampled, verified = sampled_before_sampling(row_argmax(torch.from_numpy(logits)), [2, 0, 0],
+                                                [5, 7], [True, False, True],
                                                 [False, False, True])
     assert sampled == [[5, 6], None, []] and verified == [[5, 7], [], []]

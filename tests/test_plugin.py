@@ -345,15 +345,16 @@ def test_waiting_for_a_gpu_forward_to_read_the_logits_is_not_drafting(monkeypatc
             now[0] += 5_000_000
             running[0] = False
 
-    class Logits:  # written by the forward, still running
-        device = torch.device("cuda", 0)
-
-        def detach(self):
-            return self
-
+    class Argmax:  # of logits the forward, still running, writes
         def cpu(self):
             wait_for_the_forward()
-            return torch.zeros(1, 10)
+            return torch.zeros(1, dtype=torch.int64)
+
+    class Logits:
+        device = torch.device("cuda", 0)
+
+        def argmax(self, dim):
+            return Argmax()
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(
         synchronize=wait_for_the_forward))

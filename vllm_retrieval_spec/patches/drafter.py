@@ -103,9 +103,7 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
     drafter.observe_batch(req_ids, greedy if verifier is not None else None, keys)
     waited = 0
     if capabilities.drafts_before_sampling and logits is not None and any(greedy):
-        import torch
-
-        from vllm_retrieval_spec.drafting.overlap import sampled_before_sampling
+        from vllm_retrieval_spec.drafting.overlap import row_argmax, sampled_before_sampling
 
         waited = _wait_for_forward(logits.device)
         if spec_decode_metadata is None:
@@ -113,10 +111,9 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
         else:
             num_drafts = spec_decode_metadata.num_draft_tokens
             drafts = spec_decode_metadata.draft_token_ids.tolist()
-        rows = logits.detach().cpu()
-        rows = (rows if rows.dtype in (torch.float32, torch.float64) else rows.float()).numpy()
         sampled, verified = sampled_before_sampling(
-            rows, num_drafts, drafts, greedy, runner.discard_request_mask.np[:len(req_ids)])
+            row_argmax(logits), num_drafts, drafts, greedy,
+            runner.discard_request_mask.np[:len(req_ids)])
         drafter.draft_before_sampling(sampled, verified, runner.input_batch.num_tokens_no_spec,
                                       runner.input_batch.token_ids_cpu)
     _drafting_timer(runner).add_before(time.perf_counter_ns() - start - waited)
