@@ -415,6 +415,26 @@ def test_a_snapshot_that_does_not_load_falls_back_to_the_one_before(tmp_path, ca
     assert stored(b) == [[1, 1], [2, 2]]
 
 
+def test_a_snapshot_that_does_not_load_is_not_kept_as_the_next_ones_fallback(tmp_path):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", [1, 1])
+    a.writer.flush()
+    good = a.compact(force=True)
+    serve(a, "2", [2, 2])
+    a.writer.flush()
+    damaged = a.compact(force=True)
+    a.close()
+    (damaged / "tokens.npy").write_bytes(b"garbage")
+    b = replica(tmp_path, "h-2-b")
+    newest = b.compact(force=True)
+    b.close()
+    # Before: the damaged one was kept as the fallback, the one that loads deleted.
+    assert list_snapshots(tmp_path) == [newest, good]
+    # So that a newest damaged in turn still falls back to something.
+    (newest / "tokens.npy").write_bytes(b"garbage")
+    assert stored(replica(tmp_path, "h-3-c")) == [[1, 1], [2, 2]]
+
+
 def test_another_tokenizers_directory_is_refused(tmp_path):
     replica(tmp_path, "h-1-a")
     with pytest.raises(DatastoreError, match="another tokenizer"):

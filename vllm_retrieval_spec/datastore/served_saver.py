@@ -24,7 +24,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Container, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,16 +186,20 @@ def read_snapshot(path: Path, fingerprint: str) -> Snapshot:
     return Snapshot(path, {str(k): int(v) for k, v in served["segments"].items()}, entries)
 
 
-def read_newest_snapshot(snapshots: list[Path], fingerprint: str) -> Snapshot | None:
-    """The newest of ``snapshots`` (newest first) that loads, or None; one that does not is
-    logged and skipped, so that a damaged snapshot costs the requests it alone holds."""
+def read_newest_snapshot(snapshots: list[Path], fingerprint: str
+                         ) -> tuple[Snapshot | None, set[str]]:
+    """The newest of ``snapshots`` (newest first) that loads, or None, and the names of the
+    newer ones that do not: each is logged and skipped, so that a damaged snapshot costs the
+    requests it alone holds."""
+    unloadable = set()
     for path in snapshots:
         try:
-            return read_snapshot(path, fingerprint)
+            return read_snapshot(path, fingerprint), unloadable
         except (DatastoreError, OSError, ValueError, KeyError) as e:
             logger.warning("served store: snapshot %s does not load (%s); trying an older "
                            "one", path, e)
-    return None
+            unloadable.add(path.name)
+    return None, unloadable
 
 
 def check_served_directory(path: Path, fingerprint: str, keyed: bool, *,
@@ -310,6 +314,8 @@ class ServedDirectory:
         self._compacted_at_change = 0
         self._swept = time.monotonic()
         self.reader = JournalReader(self.path, self.replica, {})
+        #: Snapshots that did not load here: never kept as the newest's fallback.
+        self.unloadable: set[str] = set()
         loaded, replayed = self._load()
         # Indexed before the first request is drafted (start-up, not a decoding step).
         stores.wait_indexed()
@@ -425,7 +431,8 @@ class ServedDirectory:
     def _load_snapshot(self, snapshots: list[Path]) -> tuple[dict[str, int], int]:
         """Load the newest of ``snapshots`` that loads; returns the offsets it includes and how
         many requests were stored."""
-        snapshot = read_newest_snapshot(snapshots, self.tokenizer.fingerprint)
+        snapshot, unloadable = read_newest_snapshot(snapshots, self.tokenizer.fingerprint)
+        self.unloadable |= unloadable
         if snapshot is None:
             return {}, 0
         cutoff = self._cutoff_ms()
@@ -507,7 +514,7 @@ class ServedDirectory:
             write_snapshot(path, entries, offsets, self.tokenizer, self.dense, self.model)
             self._compacted_at_change = changes
             self.writer.forget(remove_obsolete(self.path, offsets, self.reader.broken,
-                                               self.replica, SETTLE_S))
+                                               self.replica, SETTLE_S, self.unloadable))
             logger.info("served store: snapshot %s holds %d requests", path.name, len(entries))
             return path
         finally:
@@ -555,13 +562,13 @@ class ServedDirectory:
 
 
 def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], replica: str,
-                    settle_s: float) -> list[str]:
+                    settle_s: float, unloadable: Container[str] = ()) -> list[str]:
     """After a snapshot including ``offsets`` was written: delete the segments it includes
     whole (or up to where they break) once their writer is done with them (sealed, or its
     process is gone) and they have been still for ``settle_s`` (a replica reading them a
-    little late still finds them); snapshots but the newest two, and the one before the
-    newest too if it holds a purged request; merge the purge files into one. Returns the
-    names of the segments deleted."""
+    little late still finds them); every snapshot but the newest and its fallback, the next
+    one not ``unloadable`` (it did not load here) nor holding a purged request; merge the
+    purge files into one. Returns the names of the segments deleted."""
     now = time.time()
     host = this_host()
     deleted = []
@@ -579,10 +586,13 @@ def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], 
             segment.path.unlink(missing_ok=True)
             deleted.append(segment.name)
     purges, rules = read_purges(directory)
-    # The one before the newest is kept as the newest's fallback (``_load_snapshot``), but a
-    # fallback must not keep on disk what a purge removed.
-    for i, old in enumerate(list_snapshots(directory)[1:]):
-        if i > 0 or holds_purged(old, rules):
+    # One is kept as the newest's fallback (``_load_snapshot``): one that loads, and that
+    # keeps on disk nothing a purge removed.
+    fallback = None
+    for old in list_snapshots(directory)[1:]:
+        if fallback is None and old.name not in unloadable and not holds_purged(old, rules):
+            fallback = old
+        else:
             shutil.rmtree(old, ignore_errors=True)
     if len(purges) > 1:
         # The merged file first: a replica listing meanwhile sees every rule at least once.
@@ -653,8 +663,8 @@ def purge(directory: str | Path, *, key: str | None = None,
     try:
         snapshots = list_snapshots(directory)
         # As start-up: a newest that does not load falls back to the one before.
-        snapshot = read_newest_snapshot(snapshots, facts.tokenizer.fingerprint) \
-            or Snapshot(directory, {}, [])
+        snapshot, unloadable = read_newest_snapshot(snapshots, facts.tokenizer.fingerprint)
+        snapshot = snapshot or Snapshot(directory, {}, [])
         # Reads every segment, its own writer's included (an empty replica name is nobody's).
         reader = JournalReader(directory, "", snapshot.segments)
         read = snapshot.entries + [Entry(r.key, r.doc_id, r.time_ms, r.tokens)
@@ -668,7 +678,7 @@ def purge(directory: str | Path, *, key: str | None = None,
         write_snapshot(path, kept, reader.offsets, facts.tokenizer)
         # Settled as a compaction's: a replica yet to read a just-sealed segment would lose its
         # last requests, and then leave them out of its own next snapshot, the newest.
-        remove_obsolete(directory, reader.offsets, reader.broken, "", SETTLE_S)
+        remove_obsolete(directory, reader.offsets, reader.broken, "", SETTLE_S, unloadable)
         return path, len(everything) - len(kept)
     finally:
         lock.release()
