@@ -51,10 +51,14 @@ class PlatformDefaults:
 #: - min_similarity 0.7 (PLD+): at the paper's 0 a draft of k tokens goes out almost every step,
 #:   ~5% of a forward per drafted token; 0.7 was best replaying prompts 20-39 of three tasks.
 #: - precompute_drafts off: the forward uses every core here, so precomputing is not overlapped
-#:   with anything; it cut drafting's critical part by half or more but made hybrid's steps 2-7%
-#:   slower on four tasks, pld's -2% to +4% (benchmarks/results/precomputed-drafts.md).
+#:   with anything and the step waits for it: all drafting took 1.8-6x as long (p50 0.14-0.20
+#:   to 0.27-1.18 ms), hybrid's steps were 2-7% slower on four tasks, pld's -2% to +4%
+#:   (benchmarks/results/precomputed-drafts.md; its critical column, lower with precomputing,
+#:   timed the handover call alone).
 #: - draft_before_sampling on: one draft per greedy request, made before sampling instead of
-#:   after it; the extra work is one argmax over the step's logits.
+#:   after it; speed level with drafting after sampling (speedup ratio at a geometric mean of
+#:   0.996-1.004) though all drafting, which the step waits for here, took 0.12-0.23 ms more
+#:   (benchmarks/results/ready-drafts-*-amd.md).
 VLLM_CPU_DEFAULTS = PlatformDefaults(
     name="vllm-cpu", draft_budget_ms=5.0, draft_token_cost=0.055, disable_by_batch_size=6,
     min_draft_len=3, min_similarity=0.7, precompute_drafts=False, draft_before_sampling=True)
