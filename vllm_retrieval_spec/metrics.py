@@ -12,9 +12,8 @@ class DraftingTimer:
     part, what the engine waits for (the work done before sampling, from storing the requests
     the last step finished on, ``add_before``; from vLLM handing over the sampled tokens to the
     drafts going back, ``record``; on vLLM-CPU, where no forward runs beside it, the work after
-    the handover too), and the total, which adds the
-    work done after the drafts were handed over while the next forward runs (``add_after``,
-    precomputing the next step's drafts).
+    the handover too), and the total, which adds the work done after the drafts were handed
+    over while the next forward runs (``add_after``, precomputing the next step's drafts).
 
     Appending to preallocated arrays keeps the cost per step at a few hundred nanoseconds;
     when they are full, the buffers double.
@@ -127,8 +126,8 @@ def _prometheus_metrics() -> dict[str, object]:
                 ["method"], buckets=_DRAFTING_BUCKETS),
             drafting_critical_seconds=Histogram(
                 p + "drafting_critical_seconds", "Drafting time per engine step, whole batch, "
-                "that the step waits for: before sampling and from the sampled tokens being "
-                "handed over to the drafts going back",
+                "that the step waits for: before sampling, from the sampled tokens being "
+                "handed over to the drafts going back, and on vLLM-CPU after that",
                 ["method"], buckets=_DRAFTING_BUCKETS),
             lookups=Counter(p + "lookups", "Draft attempts (one per request per step, where "
                             "it has room to draft before max_model_len)", ["method"]),
