@@ -323,6 +323,50 @@ def test_served_purge_removes_a_keys_requests(tmp_path, capsys):
         cli.main(["served", "purge", str(tmp_path), "--older-than", "-1"])
 
 
+def _stopped_replica_with_two_keys(directory):
+    import numpy as np
+
+    from vllm_retrieval_spec.datastore.journal import TokenizerFacts
+    from vllm_retrieval_spec.datastore.served import KeyedServedStores
+    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory
+
+    served = ServedDirectory(directory, KeyedServedStores(100, 4, background=False),
+                             TokenizerFacts("t", "f" * 64, 100), flush_s=1, compact_s=60,
+                             background=False)
+    for key, request_id in (("x", "1"), ("y", "2")):
+        digest = served.key_of(key)
+        served.record(digest, request_id, served.stores.add(digest, request_id, np.arange(3)))
+    served.close()
+
+
+def test_served_purge_waits_for_a_stopped_servers_segment_to_settle(tmp_path, capsys,
+                                                                   monkeypatch):
+    from vllm_retrieval_spec.datastore import journal, served_saver
+
+    monkeypatch.setattr(journal, "SETTLE_S", 0.3)
+    monkeypatch.setattr(served_saver, "SETTLE_S", 0.3)
+    monkeypatch.setattr(cli, "WAIT_POLL_S", 0.05)
+    _stopped_replica_with_two_keys(tmp_path)
+    (sealed,) = tmp_path.glob("journal-*.sealed")
+    # Before: the segment the stopped server sealed just now kept the request until the
+    # command was run again; --wait compacts again once it settled.
+    cli.main(["served", "purge", str(tmp_path), "--key", "x", "--wait", "10"])
+    out = capsys.readouterr().out
+    assert f"still held by {sealed.name} (waiting up to 10 s)" in out
+    assert out.endswith("no file holds them any more\n") and not sealed.exists()
+
+
+def test_served_purge_fails_naming_what_still_holds_the_requests_when_the_wait_ends(
+        tmp_path, capsys):
+    _stopped_replica_with_two_keys(tmp_path)
+    (sealed,) = tmp_path.glob("journal-*.sealed")
+    with pytest.raises(SystemExit, match=f"error: after 0.1 s the purged requests are still "
+                                         f"held by {sealed.name} "):
+        cli.main(["served", "purge", str(tmp_path), "--key", "x", "--wait", "0.1"])
+    with pytest.raises(SystemExit, match="--wait must be 0 or more seconds"):
+        cli.main(["served", "purge", str(tmp_path), "--wait", "-1"])
+
+
 def test_a_prompts_file_read_past_its_end_is_refused_without_prompts_asked_for(tmp_path):
     # Before: without --prompts (all of the file) the check was skipped, the empty task went to
     # the engines, and its rows divided by zero seconds once every other task had run.

@@ -10,6 +10,7 @@ import shlex
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from vllm_retrieval_spec.bench.tasks import TASKS
 from vllm_retrieval_spec.config import METHODS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+#: How often ``served purge --wait`` looks at the files.
+WAIT_POLL_S = 2.0
 #: Source aliases for build-datastore: corpora every Python machine has.
 SOURCE_ALIASES = {
     "@stdlib": "the Python standard library sources (without site-packages)",
@@ -179,14 +182,18 @@ def inspect_command(args: argparse.Namespace) -> None:
 
 def served_purge_command(args: argparse.Namespace) -> None:
     """Purge requests from a served store's directory, its replicas running or not; say which
-    files still hold them."""
+    files still hold them, or with ``--wait`` wait for them to lose them."""
     from vllm_retrieval_spec.datastore.journal import SETTLE_S, read_purges
-    from vllm_retrieval_spec.datastore.served_saver import LEASE_S, files_holding_purged, purge
+    from vllm_retrieval_spec.datastore.served_saver import (
+        LEASE_S, compact_purged, files_holding_purged, purge)
 
     if args.older_than is not None and args.older_than < 0:
         raise SystemExit("error: --older-than must be 0 or more hours")
-    snapshot, removed = purge(args.directory, key=args.key, older_than_hours=args.older_than)
-    waiting = files_holding_purged(Path(args.directory), read_purges(Path(args.directory))[1])
+    if args.wait is not None and args.wait < 0:
+        raise SystemExit("error: --wait must be 0 or more seconds")
+    directory = Path(args.directory)
+    snapshot, removed = purge(directory, key=args.key, older_than_hours=args.older_than)
+    waiting = files_holding_purged(directory, read_purges(directory)[1])
     print("running servers drop the purged requests from memory within served_flush_ms and "
           f"from their files about {SETTLE_S:.0f} s later; "
           + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name}"
@@ -194,9 +201,31 @@ def served_purge_command(args: argparse.Namespace) -> None:
              "no snapshot written: the compaction lock is held (a server writing one, or one "
              f"killed while writing, for up to {LEASE_S / 60:.0f} minutes)")
           + ("; still held by " + ", ".join(path.name for path in waiting)
-             + f" (a stopped server's: run this again once they have been still {SETTLE_S:.0f}"
-             " s, an hour for an unsealed one from another host)"
-             if waiting else "; no file holds them any more"))
+             + (f" (a stopped server's: run this again once they have been still {SETTLE_S:.0f}"
+                " s, an hour for an unsealed one from another host; or pass --wait)"
+                if args.wait is None else f" (waiting up to {args.wait:g} s)")
+             if waiting else "; no file holds them any more"), flush=True)
+    if args.wait is None or not waiting:
+        return
+    deadline = time.monotonic() + args.wait
+    compacted = time.monotonic()
+    while waiting and time.monotonic() < deadline:
+        # Files settle SETTLE_S after their last write; running servers then delete theirs,
+        # a stopped fleet's wait for a compaction, made here at most once per SETTLE_S.
+        time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+        if time.monotonic() - compacted >= SETTLE_S:
+            compact_purged(directory)
+            compacted = time.monotonic()
+        still = files_holding_purged(directory, read_purges(directory)[1])
+        if [p.name for p in still] != [p.name for p in waiting]:
+            print("still held by " + ", ".join(p.name for p in still) if still
+                  else "no file holds them any more", flush=True)
+        waiting = still
+    if waiting:
+        raise SystemExit(f"error: after {args.wait:g} s the purged requests are still held by "
+                         + ", ".join(path.name for path in waiting) + " (an unsealed segment "
+                         "from another host waits an hour; a held compaction lock up to "
+                         f"{LEASE_S / 60:.0f} minutes)")
 
 
 def fetch_model_command(args: argparse.Namespace) -> None:
@@ -352,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", help="only the requests of this per_request key")
     p.add_argument("--older-than", type=float, metavar="HOURS",
                    help="only requests that finished more than this many hours ago")
+    p.add_argument("--wait", type=float, metavar="SECONDS",
+                   help="wait up to this long for every file to lose the requests (about "
+                        "30 s after the servers' last write), compacting again as they settle; "
+                        "exit status 1 if some file still holds them")
     p.set_defaults(func=served_purge_command)
 
     p = sub.add_parser("serve", help="start vLLM's OpenAI server (other arguments pass through)",

@@ -646,7 +646,7 @@ def purge(directory: str | Path, *, key: str | None = None,
     (``compact_after_purge``; one stopped before that, once it starts again), which deletes
     the rest: the files lose the purged requests
     within ``SETTLE_S`` and two flush intervals. But for a stopped fleet's segments sealed in
-    the last ``SETTLE_S`` (purge again once they settled), and the unsealed segment of a
+    the last ``SETTLE_S`` (``compact_purged`` once they settled), and the unsealed segment of a
     replica killed on another host: at the first snapshot after ``FOREIGN_TEMPORARY_S`` (an
     hour) without writes. Returns the snapshot written (None: left to the fleet) and the
     requests it removed."""
@@ -656,6 +656,15 @@ def purge(directory: str | Path, *, key: str | None = None,
     rules = PurgeRules()
     rules.add(before, None if key is None else key_digest(key, facts.salt))
     write_purge(directory, rules)
+    return compact_purged(directory)
+
+
+def compact_purged(directory: Path) -> tuple[Path | None, int]:
+    """A snapshot of every request on disk that the purge files keep, and the files it makes
+    obsolete deleted, as :func:`purge` does after writing its rule; a purge's files that had
+    not settled then are deleted by one of these once they have. Returns the snapshot written
+    (None: the compaction lock is held) and the requests it left out."""
+    facts = read_store_facts(directory)
     rules = read_purges(directory)[1]
     lock = CompactionLock(directory, new_replica_id(), LEASE_S)
     if not lock.acquire():
