@@ -83,6 +83,19 @@ def test_pld_plus_refuses_explicit_prefix_caching(model_dir):
             speculative_config={"method": "pld_plus", "num_speculative_tokens": 8})
 
 
+def test_pipeline_parallelism_is_refused_before_vllm_fails_on_it(model_dir):
+    # Before: every stage but the last failed in vLLM while allocating its KV cache
+    # ("'CPUModelRunner' object has no attribute 'drafter'"), for vLLM's methods too.
+    from vllm import LLM
+
+    with pytest.raises(ConfigError, match=r"method 'pld' cannot run with pipeline parallelism "
+                                          r"\(pipeline_parallel_size 2\).*use "
+                                          r"tensor_parallel_size or data_parallel_size"):
+        LLM(model=model_dir, enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+            pipeline_parallel_size=2,
+            speculative_config={"method": "pld", "num_speculative_tokens": 8})
+
+
 def test_pld_plus_layer_beyond_the_model(model_dir):
     from vllm import LLM
 

@@ -31,6 +31,7 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
             options = with_shorthand_flags(self, options)
             config = parse_speculative_config(options, platform_defaults(current_platform.is_cpu()))
             validate_against_model(config, target_model_config)
+            refuse_pipeline_parallelism(config.method, target_parallel_config)
             if config.drafts_trees and not current_platform.is_cpu():
                 piecewise_cuda_graphs_for_trees(self.compilation_config)
             self.additional_config = {**(self.additional_config or {}),
@@ -41,6 +42,18 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
         return create_speculative_config(self, target_model_config, target_parallel_config)
 
     return wrapper
+
+
+def refuse_pipeline_parallelism(method: str, parallel_config: Any) -> None:
+    """vLLM 0.32 gives only the last pipeline stage a drafter, and every other stage then fails
+    while allocating its KV cache (``initialize_kv_cache_tensors`` reads ``self.drafter``), for
+    every speculative method: refused here, before any engine process, with the fix."""
+    stages = getattr(parallel_config, "pipeline_parallel_size", 1)
+    if stages > 1:
+        raise ConfigError(
+            f"method {method!r} cannot run with pipeline parallelism (pipeline_parallel_size "
+            f"{stages}): vLLM 0.32's speculative decoding fails at start-up on every pipeline "
+            "stage but the last; use tensor_parallel_size or data_parallel_size instead")
 
 
 #: vLLM's flags for single speculative_config keys, which the method we wrap folds into the dict
