@@ -594,6 +594,32 @@ def test_a_running_replica_drops_purged_requests_from_its_journal_once_it_settle
     assert stored(replica(tmp_path, "h-3-c", keyed=True), "y") == [[2, 2]]
 
 
+def test_after_a_purge_a_replica_writes_no_snapshot_once_another_deleted_what_held_it(
+        tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a", keyed=True)
+    b = replica(tmp_path, "h-2-b", keyed=True)
+    serve(a, "1", SECRET, key="x")
+    serve(b, "2", SECRET[::-1], key="x")
+    serve(b, "3", [2, 2], key="y")
+    a.writer.flush()
+    b.writer.flush()
+    time.sleep(0.01)
+    purge(tmp_path, key="x")
+    a.sync()
+    b.sync()  # both open segments sealed
+    a.sync()  # a has read b's sealed segment to its end
+    monkeypatch.setattr(served_saver, "SETTLE_S", 0.0)
+    assert a.compact_after_purge() is not None
+    assert files_holding(tmp_path, SECRET) == files_holding(tmp_path, SECRET[::-1]) == []
+    # Before: every replica wrote a snapshot after a purge, N for a fleet of N, though the
+    # first had deleted every file that held a purged request.
+    newest = list_snapshots(tmp_path)[0]
+    assert b.compact_after_purge() is None
+    assert list_snapshots(tmp_path)[0] == newest
+    assert b.compact_after_purge() is None  # and it does not look again every poll
+    assert stored(replica(tmp_path, "h-3-c", keyed=True), "y") == [[2, 2]]
+
+
 def test_a_replica_stopped_before_its_purge_snapshot_writes_it_at_its_next_start(
         tmp_path, monkeypatch):
     a = replica(tmp_path, "h-1-a")

@@ -525,8 +525,12 @@ class ServedDirectory:
         (``SETTLE_S``: the other replicas have read it), a snapshot whatever the schedule,
         which deletes that segment and the purged requests with it; tried again at the next
         poll while another replica holds the lock, ``SETTLE_S`` after one that failed (a
-        full disk: not a snapshot built every poll). Returns the snapshot written."""
+        full disk: not a snapshot built every poll); none once no file holds a purged request
+        (another replica's deleted them). Returns the snapshot written."""
         if self._purged_at is None or time.monotonic() - self._purged_at < SETTLE_S:
+            return None
+        if not files_holding_purged(self.path, self.purges):
+            self._purged_at = None
             return None
         try:
             path = self.compact(force=True)
@@ -643,8 +647,8 @@ def purge(directory: str | Path, *, key: str | None = None,
     everything else on disk; the segments it includes are deleted where their writers are done
     and they have been still for ``SETTLE_S``, and the snapshot before it if it holds purged
     requests. Each running replica writes a snapshot once the segment it sealed has settled
-    (``compact_after_purge``; one stopped before that, once it starts again), which deletes
-    the rest: the files lose the purged requests
+    and some file still holds a purged request (``compact_after_purge``; one stopped before
+    that, once it starts again), which deletes the rest: the files lose the purged requests
     within ``SETTLE_S`` and two flush intervals. But for a stopped fleet's segments sealed in
     the last ``SETTLE_S`` (``compact_purged`` once they settled), and the unsealed segment of a
     replica killed on another host: at the first snapshot after ``FOREIGN_TEMPORARY_S`` (an
