@@ -357,3 +357,93 @@ def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_t
     assert positions[:5].tolist() == [1000, 21, 21, 22, 22]
     assert positions[5:].tolist() == list(range(1005, 1019))
     assert verifier.stats() == {"tree_nodes_mean": (4 + 3 + 2) / 3, "tree_steps": 1}
+
+
+@pytest.mark.parametrize("depth", range(2, 10))
+def test_batched_walk_accepts_no_node_whose_first_ancestor_disagrees(depth):
+    """Pointer jumping reaches every ancestor: in a chain whose nodes after the first all hold
+    the target's token, nothing is accepted when the first does not (the greedy walk stops
+    there)."""
+    import torch
+
+    parents = np.arange(depth) - 1
+    tokens = np.arange(depth) + 10
+    # After the root the target wants 99, not node 0's 10; after node j, node j + 1's token.
+    targets = np.concatenate([[99], tokens[1:], [7]])
+    assert greedy_tree_walk(parents, tokens, targets) == ([], 99)
+    batch = (torch.from_numpy(a)[None] for a in (parents, tree_depths(parents), tokens, targets))
+    assert batched_greedy_walk(*batch, depth).tolist() == [[-1], [99]]
+
+
+def tree_step(*trees):
+    """A ``TreeVerifier`` in the middle of a step with these ``TreeRow``s (attended, so its
+    walk may run); its paged cache is never read."""
+    from vllm_retrieval_spec.verification.core import TreeStep, TreeVerifier
+
+    verifier = TreeVerifier(paged=None)
+    verifier.step = TreeStep(list(trees), 0, kv_caches={0: "a layer's cache"})
+    return verifier
+
+
+def test_the_walk_checks_every_ancestor_in_the_deepest_tree_of_the_step():
+    """The walk's rounds are as many as the deepest tree of the step needs, whichever row it
+    is: request 0's nodes 1-4 hold the target's tokens but its node 0 does not, so it accepts
+    nothing, and its last node is -1 (the root's hidden state gave the bonus)."""
+    import torch
+
+    from vllm_retrieval_spec.verification.core import TreeRow
+
+    deep = TreeRow(0, np.array([-1, 0, 1, 2, 3, -1]), np.arange(6) + 100, 10, 0, 5)  # depth 5
+    shallow = TreeRow(1, np.array([-1, -1, 1]), np.array([200, 201, 202]), 20, 7, 1)  # depth 2
+    verifier = tree_step(deep, shallow)
+    # The target's token after each request's root and each of its nodes.
+    targets = [299, 101, 102, 103, 104, 0, 0] + [201, 0, 202, 7]
+    logits = torch.zeros(len(targets), 300)
+    logits[torch.arange(len(targets)), torch.tensor(targets)] = 1.0
+    walks = verifier.walk(logits, [6, 3], torch.tensor([100, 101, 102, 103, 104, 105,
+                                                        200, 201, 202]))
+    assert [(tree.row, tokens, path) for tree, tokens, path in walks] == [
+        (0, [299], []), (1, [201, 202, 7], [1, 2])]
+    sampled = torch.full((2, 7), 5)
+    verifier.accept(walks, sampled)
+    assert sampled.tolist() == [[299] + [-1] * 6, [201, 202, 7] + [-1] * 4]
+    assert verifier.last_nodes == {0: -1, 1: 2}
+    # The next step has no trees: no row's last node is the last step's.
+    verifier.begin_step({}, ["a", "b"], {}, np.array([1, 1]), np.array([11, 23]),
+                        torch.arange(2), 2)
+    assert verifier.step is None and verifier.last_nodes == {}
+
+
+def test_attend_overwrites_only_the_layers_that_attend_the_whole_step():
+    """A layer's attention whose metadata is not the step's (another token count: a
+    microbatch, a dummy run) or that has none is left as the backend computed it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    attended = []
+    verifier = tree_step()
+    verifier.step.num_tokens, verifier.step.kv_caches = 9, {}
+    verifier.paged = SimpleNamespace(attend=lambda step, *args: attended.append(args))
+    impl, kv_cache, output = SimpleNamespace(scale=0.5), torch.zeros(2), torch.zeros(9)
+    for metadata in (None, SimpleNamespace(num_actual_tokens=8, block_table="8's table")):
+        verifier.attend(impl, "q", "k", "v", kv_cache, metadata, output)
+    assert attended == [] and verifier.step.kv_caches == {}
+    verifier.attend(impl, "q", "k", "v", kv_cache,
+                    SimpleNamespace(num_actual_tokens=9, block_table="table"), output)
+    assert attended == [("q", "k", "v", kv_cache, "table", output, 0.5)]
+    assert verifier.step.kv_caches == {kv_cache.data_ptr(): kv_cache}
+    assert verifier.step.block_table == "table"
+
+
+def test_only_decoding_rows_count_as_verified_drafts():
+    """A row scheduled with more tokens than its draft and the root (a chunk) verifies no
+    draft this step: neither its tokens nor the step count in ``tree_nodes_mean``."""
+    import torch
+
+    from vllm_retrieval_spec.verification.core import TreeVerifier
+
+    verifier = TreeVerifier(paged=None)
+    verifier.begin_step({}, ["chunk", "decode"], {"chunk": [1, 2], "decode": [3]},
+                        np.array([6, 2]), np.array([0, 10]), torch.arange(8), 8)
+    assert verifier.stats() == {"tree_nodes_mean": 1.0, "tree_steps": 0}
