@@ -119,8 +119,13 @@ def run_interpreted(script: str, directory: Path) -> dict:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     path = directory / "outputs.pt"
+    # A script's path starts at tests/: without the checkout's root first, the script would
+    # import the installed package (another checkout's, for an editable install elsewhere).
+    root = str(Path(__file__).resolve().parent.parent)
+    python_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": python_path},
+                         timeout=600)
     if run.returncode != 0:
         pytest.fail(f"interpreted kernel run failed:\n{run.stderr[-6000:]}")
     results = torch.load(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +127,7 @@ def _run_interpreted(path: str) -> None:
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
+    import vllm_retrieval_spec
     from vllm_retrieval_spec.kernels import paged_tree_attention as module
 
     outputs = {}
@@ -139,7 +141,8 @@ def _run_interpreted(path: str) -> None:
                         [0, 0, 0], "cpu").mask
     torch.save({"interpreted": [isinstance(f, InterpretedFunction)
                                 for f in (tl.zeros, *module._kernels())],
-                "attention": outputs, "masks": masks}, path)
+                "attention": outputs, "masks": masks,
+                "package": vllm_retrieval_spec.__file__}, path)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +175,13 @@ def test_kernel_masks_are_the_ancestor_masks(triton_outputs):
         n = len(parents)
         assert torch.equal(masks[b, :n, :n].bool(), tree_ancestor_mask(torch.tensor(parents)))
         assert not masks[b, n:].any() and not masks[b, :, n:].any()
+
+
+def test_the_interpreted_run_is_of_this_checkout(triton_outputs):
+    # Its script starts its path at tests/: the package must still be this checkout's, not an
+    # installed one's.
+    root = Path(__file__).resolve().parent.parent
+    assert Path(triton_outputs["package"]).resolve().parent.parent == root
 
 
 @pytest.mark.parametrize("name", ["three-trees", "gqa-fp16", "block-edges", "mha-bf16"])
