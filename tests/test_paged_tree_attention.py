@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +78,8 @@ CASES = {
     "split-3-bf16": case([(random_tree(16, 9), 200, 0), (chain(3), 64, 1)],
                          dtype=torch.bfloat16, splits=3),
     "nothing-computed": case([(chain(4), 20, 4)]),
+    # No tree has context (the kernel's contract allows it): the nodes attend only each other.
+    "no-context": case([(random_tree(5, 10), 0, 0)]),
 }
 
 
@@ -139,9 +141,14 @@ def _run_interpreted(path: str) -> None:
     c = CASES["three-trees"]
     masks = paged_trees([list(p) for p, _, _ in c.trees], [1, 30, 40], [0, 0, 0], [0, 0, 0],
                         [0, 0, 0], "cpu").mask
+    # Buffers that held a chain's masks, whose ones the mask kernel (it writes ones only) must
+    # not see in the next step's masks.
+    buffers = PagedTreeBuffers("cpu")
+    buffers.load([chain(5)], [0], [0], [0], [0])
+    reused = buffers.load([[-1, -1, -1]], [0], [0], [0], [0]).mask
     torch.save({"interpreted": [isinstance(f, InterpretedFunction)
                                 for f in (tl.zeros, *module._kernels())],
-                "attention": outputs, "masks": masks,
+                "attention": outputs, "masks": masks, "reused_masks": reused,
                 "package": vllm_retrieval_spec.__file__}, path)
 
 
@@ -182,6 +189,11 @@ def test_the_interpreted_run_is_of_this_checkout(triton_outputs):
     # installed one's.
     root = Path(__file__).resolve().parent.parent
     assert Path(triton_outputs["package"]).resolve().parent.parent == root
+
+
+def test_kernel_masks_of_reused_buffers_are_the_ancestor_masks(triton_outputs):
+    masks = triton_outputs["reused_masks"]
+    assert torch.equal(masks[0].bool(), tree_ancestor_mask(torch.tensor([-1, -1, -1])))
 
 
 @pytest.mark.parametrize("name", ["three-trees", "gqa-fp16", "block-edges", "mha-bf16"])
@@ -242,6 +254,7 @@ def test_buffers_are_reused_and_rebuilt_per_step():
 @pytest.mark.parametrize("parents, first, message", [
     ([[-1, 1]], [0], "must precede"),
     ([[-1, 0]], [3], "first=3 is not a node index"),
+    ([[-1, 0]], [-1], "first=-1 is not a node index"),
 ])
 def test_bad_trees_are_refused(parents, first, message):
     with pytest.raises(ValueError, match=message):
@@ -254,6 +267,9 @@ def test_bad_trees_are_refused(parents, first, message):
     (lambda a: {**a, "value": a["value"].half()}, "value is torch.float16"),
     (lambda a: {**a, "block_table": a["block_table"].long()}, "block_table must be int32"),
     (lambda a: {**a, "query": a["query"][:, :3]}, "3 query heads do not divide"),
+    (lambda a: {**a, "value_cache": a["value_cache"][:-1]}, r"value_cache \(.*\) and key_cache"),
+    (lambda a: {**a, "trees": replace(a["trees"], mask=a["trees"].mask.to("meta"))},
+     "trees.mask is on meta but query is on cpu"),
 ])
 def test_bad_inputs_are_refused(change, message):
     names = ("query", "key", "value", "key_cache", "value_cache", "block_table", "trees")
@@ -264,3 +280,12 @@ def test_bad_inputs_are_refused(change, message):
 
 if __name__ == "__main__":
     _run_interpreted(sys.argv[1])
+
+
+def test_the_kernel_refuses_inputs_without_unit_stride_in_the_head_dimension():
+    names = ("query", "key", "value", "key_cache", "value_cache", "block_table", "trees")
+    args = dict(zip(names, inputs(CASES["three-trees"])))
+    strided = torch.empty(*args["query"].shape, 2)[..., 0]
+    strided.copy_(args["query"])
+    with pytest.raises(ValueError, match="query must have unit stride in its head dimension"):
+        paged_tree_attention(**{**args, "query": strided}, scale=0.1)
