@@ -169,16 +169,20 @@ def test_begin_step_prepares_the_trees_for_the_kernel():
     # Depth positions: t1's nodes at its root's position (37) plus depth.
     assert positions[6:12].tolist() == [38, 39, 40, 40, 39, 40]
     assert positions[17:21].tolist() == [4, 4, 5, 5]
+    # Drafts verified: 6, 3 and 4 nodes by the three decoding requests; two of them trees.
+    assert verifier.stats() == {"tree_nodes_mean": (6 + 3 + 4) / 3, "tree_steps": 2}
 
 
 def test_walk_and_kv_moves_in_the_gpu_layout():
     inputs = step_inputs()
-    kv_cache = inputs["kv_cache"]
+    # Two layers' caches (of one block table): the path moves in each.
+    caches = [inputs["kv_cache"], step_inputs(seed=1)["kv_cache"]]
     verifier = TreeVerifier(CudaPagedKV(HEAD_DIM, "cpu"))
     begin_step(verifier)
-    verifier.step.kv_caches[kv_cache.data_ptr()] = kv_cache
+    for kv_cache in caches:
+        verifier.step.kv_caches[kv_cache.data_ptr()] = kv_cache
     verifier.step.block_table = inputs["block_table"]
-    before = kv_cache.clone()
+    before = [kv_cache.clone() for kv_cache in caches]
     # Logits: one row per draft token + 1, per request (the prefill's one row included).
     num_drafts = [0, 6, 3, 4]
     vocab = 1000
@@ -201,18 +205,19 @@ def test_walk_and_kv_moves_in_the_gpu_layout():
     assert verifier.last_nodes == {1: 1, 3: 2}
     # t1's path is nodes 0, 1, already in place; t2's nodes 1, 2 move to offsets 1, 2 after its
     # root (position 3): positions 5, 6 -> 4, 5.
-    key_cache, value_cache = CudaPagedKV(HEAD_DIM, "cpu").split(kv_cache)
-    old_keys, old_values = CudaPagedKV(HEAD_DIM, "cpu").split(before)
     table = inputs["block_table"][3]
 
     def at(cache, position):
         return cache[int(table[position // BLOCK_SIZE]), position % BLOCK_SIZE]
 
-    for source, target in ((5, 4), (6, 5)):
-        assert torch.equal(at(key_cache, target), at(old_keys, source))
-        assert torch.equal(at(value_cache, target), at(old_values, source))
-    changed = (kv_cache != before).any(dim=(1, 3))
-    assert int(changed.sum()) == 2                      # one block, both kv heads, 2 slots
+    for kv_cache, old in zip(caches, before):
+        key_cache, value_cache = CudaPagedKV(HEAD_DIM, "cpu").split(kv_cache)
+        old_keys, old_values = CudaPagedKV(HEAD_DIM, "cpu").split(old)
+        for source, target in ((5, 4), (6, 5)):
+            assert torch.equal(at(key_cache, target), at(old_keys, source))
+            assert torch.equal(at(value_cache, target), at(old_values, source))
+        changed = (kv_cache != old).any(dim=(1, 3))
+        assert int(changed.sum()) == 2                  # one block, both kv heads, 2 slots
     assert verifier.step is None
 
 
@@ -280,6 +285,42 @@ def test_start_up_refusal_names_the_layer_and_the_fix():
         refuse_unsupported_trees(runner, tree_refusal)
 
 
+def refusal_runner(*attention_groups):
+    """What ``refuse_unsupported_trees`` reads of a runner with one KV-cache group holding
+    these attention groups, ``(backend name, {layer name: impl})`` each."""
+    layers = {name: types.SimpleNamespace(impl=layer_impl)
+              for _, group in attention_groups for name, layer_impl in group.items()}
+    return types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(
+            kv_transfer_config=None,
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
+                                                  decode_context_parallel_size=1,
+                                                  use_ubatching=False)),
+        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False, rswa_window=None),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        compilation_config=types.SimpleNamespace(static_forward_context=layers),
+        attn_groups=[[types.SimpleNamespace(backend=types.SimpleNamespace(get_name=lambda b=b: b),
+                                            layer_names=list(group))
+                      for b, group in attention_groups]])
+
+
+@pytest.mark.parametrize("groups, message", [
+    # Gemma-like: the second layer of one attention group has a sliding window.
+    ([("FLASH_ATTN", {"layers.0": impl(), "layers.1": impl(sliding_window=(511, 0))})],
+     r"sliding-window attention \(layer layers.1\)"),
+    # One KV-cache group's layers in two attention groups, by two backends.
+    ([("FLASH_ATTN", {"layers.0": impl()}), ("FLASHINFER", {"layers.1": impl()})],
+     r"attention backend FLASHINFER .*\(layer layers.1\)"),
+])
+def test_every_layer_of_every_attention_group_is_checked(groups, message):
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+
+    refuse_unsupported_trees(refusal_runner((groups[0][0], {"layers.0": impl()})),
+                             tree_refusal)
+    with pytest.raises(ConfigError, match=message):
+        refuse_unsupported_trees(refusal_runner(*groups), tree_refusal)
+
+
 def cuda_runner(compilation_config):
     """What ``cuda_tree_verifier`` reads of a CUDA runner with one FLASH_ATTN layer."""
     name = "model.layers.0.self_attn.attn"
@@ -338,6 +379,17 @@ def test_attention_fused_with_quantization_is_refused_at_start_up():
     assert config.cudagraph_mode.name == "PIECEWISE"
     with pytest.raises(ConfigError, match=r"-cc.pass_config.fuse_attn_quant=False"):
         cuda_tree_verifier(cuda_runner(config))
+
+
+def test_a_cuda_runner_gets_a_verifier_of_its_head_size_or_its_layers_refusal():
+    from vllm_retrieval_spec.verification.cuda import cuda_tree_verifier
+
+    verifier = cuda_tree_verifier(cuda_runner(compilation_config_as_vllm_resolves_it()))
+    assert verifier.paged.head_size == 128 and verifier.step is None
+    runner = cuda_runner(compilation_config_as_vllm_resolves_it())
+    runner.attn_groups[0][0].backend = types.SimpleNamespace(get_name=lambda: "FLASHINFER")
+    with pytest.raises(ConfigError, match=r"FLASHINFER .*\(layer model.layers.0.self_attn.attn\)"):
+        cuda_tree_verifier(runner)
 
 
 @pytest.mark.parametrize("mode, expected", [(None, "PIECEWISE"), ("PIECEWISE", "PIECEWISE"),
