@@ -183,3 +183,30 @@ def test_best_tree_keeps_every_path_within_max_depth():
     assert tree_depths(parents).max() == 2
     # Every trie node of depth <= 2 is there: 1, 2, 5, 8 and 8 8.
     assert sorted(tokens.tolist()) == [1, 2, 5, 8, 8]
+
+
+def test_a_tree_without_evidence_is_empty():
+    # A source weighted 0 and no prior: nothing has a vote, so no node is drafted, as no chain.
+    from vllm_retrieval_spec.drafting.tree import best_tree
+
+    cands, lengths = _pack([[1, 2], [3]])
+    tokens, parents, chain_len, branch_prob = best_tree(cands, lengths, np.zeros(2), 8, 0.0,
+                                                        0.0, 1, 0.0, 8)
+    assert (tokens.tolist(), parents.tolist(), chain_len, branch_prob) == ([], [], 0, 0.0)
+
+
+def test_selection_keeps_drafts_within_max_len_and_max_depth():
+    from vllm_retrieval_spec.config import TrieOptions
+    from vllm_retrieval_spec.drafting.tree import TrieSelection
+
+    cands, lengths = _pack([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 6]])
+    base = dict(prior_weight=0.0, min_prefix_prob=0.5, tree_min_prob=0.3)
+    chain = TrieSelection(TrieOptions(**base), 1)
+    # A depth above max_len is cut to it; a lower one cuts the chain.
+    assert chain.select(cands, lengths, np.ones(3), 3, max_depth=4).tolist() == [1, 2, 3]
+    assert chain.select(cands, lengths, np.ones(3), 3, max_depth=2).tolist() == [1, 2]
+    # A tree of at most 4 nodes, 2 deep: the chain 1 2, then 1's other child 6 (1/3).
+    tree = TrieSelection(TrieOptions(**base, tree="on"), 1).select(cands, lengths, np.ones(3),
+                                                                   4, max_depth=2)
+    assert tree.tokens.tolist() == [1, 2, 6] and tree.parents.tolist() == [-1, 0, 0]
+    assert tree.chain_len == 2
