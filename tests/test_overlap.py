@@ -453,3 +453,122 @@ def test_sampled_before_sampling_knows_greedy_tokens_and_rows_that_sample_nothin
                                                 [5, 7], [True, False, True],
                                                 [False, False, True])
     assert sampled == [[5, 6], None, []] and verified == [[5, 7], [], []]
+
+
+def _sum_draft(context, max_len: int) -> list[int]:
+    """``Summing``'s draft: any other context drafts other tokens."""
+    start = int(np.sum(context)) % 50
+    return list(range(start, start + max_len))
+
+
+class Summing(MethodDrafter):
+    """Drafts from its context's sum (so a draft shows the context and cap it was made with);
+    6, 7 and 9 are the followers of every token. Logs each context it drafts for."""
+
+    capabilities = Capabilities(precomputable=True)
+
+    def __init__(self):
+        self.drafted: list[list[int]] = []
+
+    def draft(self, row, context, max_len):
+        self.drafted.append(context.tolist())
+        return np.asarray(_sum_draft(context, max_len), dtype=np.int32)
+
+    def followers(self, row, context):
+        return np.array([6, 7, 9], dtype=np.int32), True
+
+
+def _summing_proposer(method=None, **options):
+    return RetrievalProposer(vllm_config(
+        {"method": "pld", "num_speculative_tokens": 2, "min_draft_len": 1,
+         "adaptive_draft_len": False, "precompute_drafts": True, "draft_before_sampling": False,
+         **options}, max_model_len=8), method or Summing())
+
+
+def test_drafts_made_ahead_are_those_for_every_outcome_vllm_can_return():
+    """After [1, 2, 3] drafted [6, 7]: a draft for each accepted length a and each follower b
+    but draft[a] (vLLM's bonus token after a rejected token is never that token), each with the
+    room the context it follows leaves (max_model_len 8: one token after 6 tokens), and no
+    other; the next step takes its own and drafts nothing."""
+    proposer = _summing_proposer()
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    assert proposer.propose([[3]], lengths, tokens) == [[6, 7]]
+    proposer.after_handover()
+    ahead = proposer.ahead.next_drafts["r"]
+    outcomes = [(0, 7), (0, 9), (1, 6), (1, 9), (2, 6), (2, 7), (2, 9)]
+    assert ahead.drafts == {
+        (a, b): (_sum_draft([1, 2, 3, *[6, 7][:a], b], 2 if a < 2 else 1), None)
+        for a, b in outcomes}
+    assert ahead.complete == [True, True, True]
+    proposer.method.drafted.clear()
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3, 6, 7, 9], width=WIDTH)
+    assert proposer.propose([[6, 7, 9]], lengths, tokens) == [_sum_draft([1, 2, 3, 6, 7, 9], 1)]
+    assert proposer.method.drafted == []
+    assert dict(proposer.ahead.precomputed) == {"used": 1}
+
+
+def test_drafts_made_ahead_follow_their_request_when_vllm_moves_its_rows():
+    """vLLM may write over its token rows while the drafts are made ahead and order the next
+    step's batch otherwise: each request gets the drafts made from its own tokens."""
+    proposer = _summing_proposer()
+    proposer.observe_batch(["a", "b"])
+    tokens, lengths = batch([1, 2, 3], [10, 11, 12], width=WIDTH)
+    assert proposer.propose([[3], [12]], lengths, tokens) == [[6, 7], [33, 34]]
+    tokens[:] = 0  # vLLM's buffer, reused
+    proposer.after_handover()
+    proposer.method.drafted.clear()
+    proposer.observe_batch(["b", "a"])
+    tokens, lengths = batch([10, 11, 12, 33, 9], [1, 2, 3, 6, 7, 9], width=WIDTH)
+    assert proposer.propose([[33, 9], [6, 7, 9]], lengths, tokens) == [
+        _sum_draft([10, 11, 12, 33, 9], 2), _sum_draft([1, 2, 3, 6, 7, 9], 1)]
+    assert proposer.method.drafted == []
+    assert dict(proposer.ahead.precomputed) == {"used": 2}
+
+
+def test_drafts_made_ahead_are_dropped_with_the_step_they_were_for():
+    """A step vLLM called no ``propose`` for (a request of the batch near max_model_len) drops
+    the drafts made for it: the step after it finds none to miss, and a request that left the
+    batch leaves none behind."""
+    proposer = _summing_proposer()
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    proposer.propose([[3]], lengths, tokens)
+    proposer.after_handover()
+    proposer.observe_batch(["r"])  # no propose
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3, 6, 9], width=WIDTH)
+    assert proposer.propose([[9]], lengths, tokens) == [_sum_draft([1, 2, 3, 6, 9], 2)]
+    assert dict(proposer.ahead.precomputed) == {}
+    proposer.after_handover()
+    assert list(proposer.ahead.next_drafts) == ["r"]
+    proposer.observe_batch(["s"])
+    assert proposer.ahead.next_drafts == {}
+
+
+def test_drafts_made_ahead_from_a_replaced_index_are_not_used():
+    """A served store's index replaced while the drafts were made ahead (its rebuild runs in a
+    thread): none of them is handed out, the next step drafts from the new index."""
+
+    class Rebuilt(Summing):
+        def __init__(self):
+            super().__init__()
+            self.index = (1,)
+
+        def draft(self, row, context, max_len):
+            self.index = (self.index[0] + 1,)
+            return np.full(max_len, self.index[0], dtype=np.int32)
+
+        def snapshot(self, row):
+            return self.index
+
+    proposer = _summing_proposer(Rebuilt())
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    assert proposer.propose([[3]], lengths, tokens) == [[2, 2]]
+    proposer.after_handover()  # 9 drafts, from indexes 3 to 11
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3, 2, 9], width=WIDTH)
+    assert proposer.propose([[2, 9]], lengths, tokens) == [[12, 12]]
+    assert dict(proposer.ahead.precomputed) == {}
