@@ -572,3 +572,83 @@ def test_drafts_made_ahead_from_a_replaced_index_are_not_used():
     tokens, lengths = batch([1, 2, 3, 2, 9], width=WIDTH)
     assert proposer.propose([[2, 9]], lengths, tokens) == [[12, 12]]
     assert dict(proposer.ahead.precomputed) == {}
+
+
+def test_a_failure_drafting_ahead_is_counted_and_the_step_drafts_after_sampling():
+    class Failing(Summing):
+        def followers(self, row, context):
+            raise RuntimeError("followers")
+
+    proposer = _summing_proposer(Failing())
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    proposer.propose([[3]], lengths, tokens)
+    proposer.after_handover()
+    proposer.observe_batch(["r"])
+    tokens, lengths = batch([1, 2, 3, 6, 7, 9], width=WIDTH)
+    assert proposer.propose([[6, 7, 9]], lengths, tokens) == [_sum_draft([1, 2, 3, 6, 7, 9], 1)]
+    stats = proposer.stats()
+    assert stats["failed_exception"] == 1 and "precomputed_used" not in stats
+
+
+def test_a_row_with_drafts_made_ahead_is_not_drafted_again_before_sampling():
+    """With both ways on, a row whose next drafts were made after the handover gets none made
+    before sampling (it would be the same draft, made again); one drafted before sampling has
+    its next drafts made after the handover, for a step whose tokens are not known early."""
+    proposer = _summing_proposer(draft_before_sampling=True)
+    assert proposer.capabilities.drafts_before_sampling
+    proposer.observe_batch(["r"])
+    before, _ = batch([1, 2], width=WIDTH)
+    proposer.draft_before_sampling([[3]], [[]], np.array([2]), before)
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    assert proposer.propose([[3]], lengths, tokens) == [[6, 7]]
+    proposer.after_handover()
+    assert proposer.method.drafted[0] == [1, 2, 3]
+    proposer.method.drafted.clear()
+    proposer.observe_batch(["r"])
+    before, _ = batch([1, 2, 3], width=WIDTH)
+    proposer.draft_before_sampling([None], [[6, 7]], np.array([3]), before)  # not greedy
+    tokens, lengths = batch([1, 2, 3, 6, 9], width=WIDTH)
+    assert proposer.propose([[6, 9]], lengths, tokens) == [_sum_draft([1, 2, 3, 6, 9], 2)]
+    proposer.after_handover()
+    proposer.method.drafted.clear()
+    proposer.observe_batch(["r"])
+    before, _ = batch([1, 2, 3, 6, 9], width=WIDTH)
+    proposer.draft_before_sampling([[9]], [_sum_draft([1, 2, 3, 6, 9], 2)], np.array([5]), before)
+    assert proposer.method.drafted == []
+    tokens, lengths = batch([1, 2, 3, 6, 9, 9], width=WIDTH)
+    assert proposer.propose([[9]], lengths, tokens) == [_sum_draft([1, 2, 3, 6, 9, 9], 1)]
+    assert proposer.method.drafted == []
+    assert proposer.stats()["precomputed_used"] == 3
+
+
+def test_a_tree_drafted_before_sampling_goes_out_as_one_and_the_next_step_drafts_after():
+    """A greedy tree row's draft made before sampling is its tree (vLLM verifies its nodes);
+    the next step's is made after sampling: the verifier picks the accepted path, which need
+    not follow the chain the tokens known before sampling assume."""
+    from vllm_retrieval_spec.drafting.tree import TreeDraft
+
+    class Branching(Summing):
+        def draft(self, row, context, max_len):
+            self.drafted.append(context.tolist())
+            return TreeDraft(np.array([5, 6, 9], dtype=np.int32), np.array([-1, 0, -1]), 2, 0.6)
+
+    proposer = RetrievalProposer(vllm_config(
+        {"method": "pld", "num_speculative_tokens": 3, "tree": "on", "min_draft_len": 1,
+         "precompute_drafts": False, "draft_before_sampling": True}, WIDTH), Branching())
+    proposer.observe_batch(["r"], [True])
+    before, _ = batch([1, 2], width=WIDTH)
+    proposer.draft_before_sampling([[3]], [[]], np.array([2]), before)
+    assert proposer.method.drafted == [[1, 2, 3]]
+    tokens, lengths = batch([1, 2, 3], width=WIDTH)
+    assert proposer.propose([[3]], lengths, tokens) == [[5, 6, 9]]
+    assert proposer.trees["r"].parents.tolist() == [-1, 0, -1]
+    proposer.after_handover()
+    proposer.observe_batch(["r"], [True])
+    before, _ = batch([1, 2, 3], width=WIDTH)
+    proposer.draft_before_sampling([[5, 6, 4]], [[5, 6, 9]], np.array([3]), before)
+    assert proposer.method.drafted == [[1, 2, 3]]
+    tokens, lengths = batch([1, 2, 3, 9, 4], width=WIDTH)
+    assert proposer.propose([[9, 4]], lengths, tokens) == [[5, 6, 9]]
+    assert proposer.method.drafted == [[1, 2, 3], [1, 2, 3, 9, 4]]
+    assert proposer.stats()["precomputed_used"] == 1
