@@ -47,6 +47,8 @@ def test_precompute_plan_takes_every_acceptance_in_turn_within_budget():
     assert precompute_plan(followers, 5) == [(2, 4), (1, 3), (0, 1), (2, 5), (0, 2)]
     assert len(precompute_plan(followers, 100)) == 6
     assert precompute_plan([np.empty(0)], 10) == []
+    # The budget can end a round.
+    assert precompute_plan(followers, 2) == [(2, 4), (1, 3)]
 
 
 def test_suffix_followers_match_a_scan_of_the_stream():
@@ -75,6 +77,10 @@ def test_next_drafts_refuse_what_they_were_not_made_for():
     # a = 0 is complete: any token without a precomputed draft drafts nothing.
     assert ahead.take([5], 4, "s", "none") == "none"
     assert ahead.take([7, 5], 5, "s", "none") is None
+    # Nor for a shortened draft where every follower was drafted for.
+    ahead.complete = [True, True, True]
+    assert ahead.take([7, 8], 5, "s", "none") is None
+    assert ahead.take([7, 5], 5, "s", "none") == "none"
 
 
 @pytest.fixture(scope="module")
@@ -652,3 +658,15 @@ def test_a_tree_drafted_before_sampling_goes_out_as_one_and_the_next_step_drafts
     assert proposer.propose([[9, 4]], lengths, tokens) == [[5, 6, 9]]
     assert proposer.method.drafted == [[1, 2, 3], [1, 2, 3, 9, 4]]
     assert proposer.stats()["precomputed_used"] == 1
+
+
+def test_a_draft_made_before_sampling_is_not_handed_to_other_tokens_before_the_same_ones():
+    """The row sampled the tokens the draft was made for, after other tokens than those it
+    was made from: drafted again, from the row's own."""
+    proposer = _summing_proposer(precompute_drafts=False, draft_before_sampling=True)
+    proposer.observe_batch(["r"])
+    before, _ = batch([1, 2], width=WIDTH)
+    proposer.draft_before_sampling([[3]], [[]], np.array([2]), before)
+    tokens, lengths = batch([1, 2, 9, 3], width=WIDTH)
+    assert proposer.propose([[3]], lengths, tokens) == [_sum_draft([1, 2, 9, 3], 2)]
+    assert dict(proposer.ahead.precomputed) == {"missed": 1}
