@@ -19,9 +19,10 @@ HIDDEN, DIMS = 12, 4
 
 
 class FakeEvent:
-    def __init__(self, log: list, name: str) -> None:
+    def __init__(self, log: list, name: str, blocking: bool) -> None:
         self.log = log
         self.name = name
+        self.blocking = blocking
 
     def record(self, stream: str) -> None:
         self.log.append(("record", self.name, stream))
@@ -40,7 +41,7 @@ class FakeStreams:
 
     def event(self, blocking: bool = False) -> FakeEvent:
         self.made += 1
-        return FakeEvent(self.log, f"e{self.made}")
+        return FakeEvent(self.log, f"e{self.made}", blocking)
 
     def record_current(self, event: FakeEvent) -> None:
         event.record("vllm")
@@ -130,6 +131,25 @@ def test_host_buffers_are_reused_and_grown_never_shared_by_two_searches():
     np.testing.assert_allclose(first, expected(large), rtol=1e-6, atol=1e-6)
     running.__exit__(None, None, None)
     assert ("record", "e3", "vllm") in log and ("pinned", 2 * DIMS) in log
+
+
+def test_a_batch_growing_row_by_row_reallocates_its_host_buffer_a_few_times_only():
+    log: list = []
+    projector = faked(log)
+    for rows in range(1, 9):
+        states = torch.randn(rows, HIDDEN)
+        with projector.queries(projector.hand_over(states)) as queries:
+            np.testing.assert_allclose(queries, expected(states), rtol=1e-6, atol=1e-6)
+    # Doubled when outgrown: 1, 2, 4 and 8 rows.
+    assert [entry[1] for entry in log if entry[0] == "pinned"] == [DIMS, 2 * DIMS, 4 * DIMS,
+                                                                   8 * DIMS]
+
+
+def test_the_worker_sleeps_until_the_copy_lands():
+    """The worker waits for the copy on a blocking event: it sleeps instead of spinning a core
+    for a forward's length each step."""
+    projector = faked([])
+    assert projector.hand_over(torch.randn(2, HIDDEN)).slot.copied.blocking
 
 
 def test_a_failed_search_gives_its_slot_back():
