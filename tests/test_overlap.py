@@ -670,3 +670,12 @@ def test_a_draft_made_before_sampling_is_not_handed_to_other_tokens_before_the_s
     tokens, lengths = batch([1, 2, 9, 3], width=WIDTH)
     assert proposer.propose([[3]], lengths, tokens) == [_sum_draft([1, 2, 9, 3], 2)]
     assert dict(proposer.ahead.precomputed) == {"missed": 1}
+
+
+def test_sampled_before_sampling_reads_each_rows_own_logits_and_draft():
+    """Three greedy rows with drafts of 2, 1 and 0 tokens: logits rows 0-2, 3-4 and 5."""
+    logits = np.zeros((6, 10), dtype=np.float32)
+    logits[np.arange(6), [5, 6, 1, 8, 4, 3]] = 1.0
+    sampled, verified = sampled_before_sampling(row_argmax(torch.from_numpy(logits)), [2, 1, 0],
+                                                [5, 7, 8], [True] * 3, [False] * 3)
+    assert sampled == [[5, 6], [8, 4], [3]] and verified == [[5, 7], [8], []]
