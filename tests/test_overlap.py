@@ -40,6 +40,8 @@ def test_rank_followers_orders_by_votes_then_by_source():
                             np.array([9, 9, 9, 5, 1], dtype=np.int32))
     # The context's own (3 twice, then 5 and 7 by id) before the other source's new ones.
     assert ranked.tolist() == [3, 5, 7, 9, 1]
+    # Token 0 is a token; -1 (a document's end) follows nothing.
+    assert rank_followers(np.array([-1, 0, 3, 0, -1], dtype=np.int32)).tolist() == [0, 3]
 
 
 def test_precompute_plan_takes_every_acceptance_in_turn_within_budget():
