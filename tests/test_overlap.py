@@ -681,3 +681,64 @@ def test_sampled_before_sampling_reads_each_rows_own_logits_and_draft():
     sampled, verified = sampled_before_sampling(row_argmax(torch.from_numpy(logits)), [2, 1, 0],
                                                 [5, 7, 8], [True] * 3, [False] * 3)
     assert sampled == [[5, 6], [8, 4], [3]] and verified == [[5, 7], [8], []]
+
+
+class PadsToFour:
+    """``StepCostModel`` that measured 4-token steps cheapest: every shorter draft is padded."""
+
+    def explore(self, draft_len):
+        return None
+
+    def target(self, draft_len):
+        return 4
+
+    def observe(self, *step):
+        pass
+
+    def tree_extra(self):
+        return None
+
+    def summary(self):
+        return {}
+
+
+class CapShown(Summing):
+    """Drafts one token: the cap it was asked for (50 follows every token)."""
+
+    def draft(self, row, context, max_len):
+        return np.array([max_len], dtype=np.int32)
+
+    def followers(self, row, context):
+        return np.array([50], dtype=np.int32), True
+
+
+@pytest.mark.parametrize("ahead", ["after", "precompute", "before"])
+def test_padding_is_no_evidence_of_acceptance_however_a_draft_was_made(ahead):
+    """One drafted token padded to 4, of which 3 are accepted twice, counts as 1 of 1 accepted
+    each time, drafting after sampling, ahead or before it: the caps (draft_token_cost 0.7)
+    go from 3 (a rate of 0.9) to 4 then 7. Counting padding, 3 of 4 would give 2 then 2."""
+    proposer = RetrievalProposer(vllm_config(
+        {"method": "pld", "num_speculative_tokens": 8, "min_draft_len": 1, "pad_drafts": True,
+         "draft_token_cost": 0.7, "precompute_drafts": ahead == "precompute",
+         "draft_before_sampling": ahead == "before"}, WIDTH), CapShown())
+    proposer.lengths.step_costs = PadsToFour()
+    context = [1, 2, 3, 4, 5, 1]
+    sampled = [1]
+    draft: list[int] = []
+    caps = []
+    for _ in range(3):
+        proposer.observe_batch(["r"])
+        if ahead == "before":
+            before, _ = batch(context[:-len(sampled)], width=WIDTH)
+            proposer.draft_before_sampling([sampled], [draft],
+                                           np.array([len(context) - len(sampled)]), before)
+        tokens, lengths = batch(context, width=WIDTH)
+        draft = proposer.propose([sampled], lengths, tokens)[0]
+        proposer.after_handover()
+        assert len(draft) == 4
+        caps.append(draft[0])
+        sampled = draft[:3] + [50]
+        context = context + sampled
+    assert caps == [3, 4, 7]
+    assert proposer.stats().get("precomputed_used", 0) == {"after": 0, "precompute": 2,
+                                                           "before": 3}[ahead]
