@@ -195,6 +195,45 @@ def test_no_padding_when_off_or_with_several_requests(pad, rows):
     assert "padded_drafts" not in proposer.stats()
 
 
+def test_no_padding_beside_a_partial_prefill():
+    """Padding learned while a request decodes alone stops at a step beside another request's
+    partial prefill (which samples nothing): that step is not the lone request's."""
+    proposer, drafts = drive(DIPPED, 80)
+    assert len(drafts[-1]) == 4
+    proposer.observe_batch(["r", "p"])
+    tokens, lengths = batch([1, 2, 3, 1, 2, 3, 1, 2], [5, 6], width=256)
+    assert proposer.propose([[2], []], lengths, tokens) == [[], []]
+
+
+def test_padding_leaves_room_for_the_bonus_token():
+    """Near max_model_len (256) a draft is padded no further than a draft may be: 253 tokens
+    leave room for 2 draft tokens and the bonus token."""
+    proposer, drafts = drive(DIPPED, 80)
+    assert len(drafts[-1]) == 4
+    proposer.observe_batch(["r"])
+    context = [1, 2, 3] * 84 + [1]
+    tokens, lengths = batch(context, width=256)
+    assert proposer.propose([[1]], lengths, tokens) == [[2, 3]]
+
+
+def test_a_step_is_timed_only_for_the_lone_request_whose_draft_it_verified():
+    """A request decoding alone after another one did (which left the batch): the step
+    between their proposes verified the other's draft, and its time is no sample of this
+    one's, which is timed at the next step."""
+    observed = []
+    proposer = helpers.proposer({"method": "pld", "num_speculative_tokens": 8,
+                                 "pad_drafts": True}, 256, NoDrafts())
+    proposer.lengths.clock = clock = StepClock(DIPPED)
+    proposer.lengths.step_costs.observe = lambda *step: observed.append(step)
+    for req_id in ("a", "b", "b"):
+        proposer.observe_batch([req_id])
+        tokens, lengths = batch([1, 2, 3], width=256)
+        assert proposer.propose([[3]], lengths, tokens) == [[]]
+        proposer.after_handover()
+        clock.step(0)
+    assert observed == [(0, int(DIPPED[0] * MS), False)]
+
+
 def test_padded_drafts_are_the_same_with_and_without_drafting_ahead(monkeypatch):
     """Step after step with the clock of a dipped curve: the padded drafts are the same when
     drafted after sampling, precomputed (the padded draft vLLM verified is what the next
