@@ -742,3 +742,36 @@ def test_padding_is_no_evidence_of_acceptance_however_a_draft_was_made(ahead):
     assert caps == [3, 4, 7]
     assert proposer.stats().get("precomputed_used", 0) == {"after": 0, "precompute": 2,
                                                            "before": 3}[ahead]
+
+
+@pytest.mark.parametrize("ahead", ["after", "precompute", "before"])
+def test_lookups_are_counted_alike_however_a_draft_was_made(ahead):
+    """Two steps, the second's lookup empty (an odd sum drafts nothing): 2 lookups, 1 empty,
+    drafted after sampling, ahead or before it."""
+    from prometheus_client import REGISTRY
+
+    class EvenSums(Summing):
+        def draft(self, row, context, max_len):
+            return super().draft(row, context, max_len if context.sum() % 2 == 0 else 0)
+
+    def value(name):
+        return REGISTRY.get_sample_value(f"vllm_rsd:{name}_total", {"method": "pld"}) or 0
+
+    before = {name: value(name) for name in ("lookups", "empty_lookups")}
+    proposer = _summing_proposer(EvenSums(), precompute_drafts=ahead == "precompute",
+                                 draft_before_sampling=ahead == "before")
+    draft: list[int] = []
+    for context, sampled in (([1, 2, 3], [3]), ([1, 2, 3, 6, 9], [6, 9])):
+        proposer.observe_batch(["r"])
+        if ahead == "before":
+            start, _ = batch(context[:-len(sampled)], width=WIDTH)
+            proposer.draft_before_sampling([sampled], [draft],
+                                           np.array([len(context) - len(sampled)]), start)
+        tokens, lengths = batch(context, width=WIDTH)
+        draft = proposer.propose([sampled], lengths, tokens)[0]
+        proposer.after_handover()
+    assert draft == []
+    assert proposer.stats().get("precomputed_used", 0) == {"after": 0, "precompute": 1,
+                                                           "before": 2}[ahead]
+    assert {name: value(name) - before[name] for name in before} == {
+        "lookups": 2, "empty_lookups": 1}
