@@ -775,3 +775,38 @@ def test_lookups_are_counted_alike_however_a_draft_was_made(ahead):
                                                            "before": 2}[ahead]
     assert {name: value(name) - before[name] for name in before} == {
         "lookups": 2, "empty_lookups": 1}
+
+
+def test_a_failed_step_keeps_the_acceptance_of_the_draft_it_verified_when_drafted_before_sampling():
+    """The step that verified a draft of 8 (2 accepted) handed out a draft made before
+    sampling, then its bookkeeping raised: no draft went out, but the verified draft's
+    acceptance stands, as drafting after sampling updates it (0.7 x 0.9 + 0.3 x 2 / 8)."""
+
+    class FailingSecond(Sevens):
+        steps = 0
+
+        def observe_sampled(self, step):
+            self.steps += 1
+            if self.steps == 2:
+                raise RuntimeError("bookkeeping")
+
+    rates = {}
+    for before_sampling in (False, True):
+        proposer = RetrievalProposer(vllm_config(
+            {"method": "pld", "num_speculative_tokens": 8, "min_draft_len": 1,
+             "precompute_drafts": False, "draft_before_sampling": before_sampling}, WIDTH),
+            FailingSecond())
+        proposer.observe_batch(["r"])
+        tokens, lengths = batch([1, 2, 3], width=WIDTH)
+        assert proposer.propose([[3]], lengths, tokens) == [[7] * 8]
+        proposer.after_handover()
+        proposer.observe_batch(["r"])
+        if before_sampling:
+            before, _ = batch([1, 2, 3], width=WIDTH)
+            proposer.draft_before_sampling([[7, 7, 9]], [[7] * 8], np.array([3]), before)
+        tokens, lengths = batch([1, 2, 3, 7, 7, 9], width=WIDTH)
+        assert proposer.propose([[7, 7, 9]], lengths, tokens) == [[]]
+        proposer.after_handover()
+        assert proposer.stats()["failed_exception"] == 1
+        rates[before_sampling] = proposer.lengths.acceptance.rates
+    assert rates[True] == rates[False] == {"r": pytest.approx(0.7 * 0.9 + 0.3 * 2 / 8)}
