@@ -144,6 +144,10 @@ def test_a_failed_write_leaves_nothing_torn_before_the_next_batch(tmp_path, monk
     writer = JournalWriter(tmp_path, "r", 1.0, background=False)
     writer.append(record(1, [5, 6]))
     writer.flush()
+    # Two whole batches before the failed one: cut back to its last whole batch, the segment
+    # keeps both (the size it is cut to counts every batch written, not the last one).
+    writer.append(record(4, [9]))
+    writer.flush()
     writer.append(record(2, [7]))
     with monkeypatch.context() as patch, caplog.at_level(logging.ERROR):
         patch.setattr(journal, "os", OsFailingAt(call, failure))
@@ -157,7 +161,7 @@ def test_a_failed_write_leaves_nothing_torn_before_the_next_batch(tmp_path, monk
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         assert [r.doc_id for r in JournalReader(tmp_path, "other", {}).poll(
-            time.time() + 3600)] == [1, 3]
+            time.time() + 3600)] == [1, 4, 3]
     assert "unreadable" not in caplog.text
 
 
@@ -723,6 +727,25 @@ def test_a_purge_file_merged_while_a_replica_lists_them_is_read_all_the_same(
     merged.unlink()
     b.sync()
     assert [s.sealed for s in list_segments(tmp_path).values() if s.replica == "h-2-b"] == [False]
+
+
+def test_purge_files_merge_into_one_holding_every_rule_at_its_latest(tmp_path):
+    x, y = b"x" * 8, b"y" * 8
+    for before_ms, key in ((300, None), (100, None), (50, x), (20, x), (70, y)):
+        rules = journal.PurgeRules()
+        rules.add(before_ms, key)
+        journal.write_purge(tmp_path, rules)
+    paths, rules = journal.read_purges(tmp_path)
+    # A later file with an earlier time lowers nothing, globally or for a key.
+    assert len(paths) == 5 and rules == journal.PurgeRules(300, {x: 50, y: 70})
+    # Dropped: finished before the time, not at it.
+    assert rules.drops(299, NO_KEY) and not rules.drops(300, NO_KEY)
+    # A compaction merges them into one file, which every replica still reads the same.
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", [1, 1])
+    a.compact(force=True)
+    paths, merged = journal.read_purges(tmp_path)
+    assert len(paths) == 1 and merged == rules
 
 
 def test_purge_leaves_a_just_sealed_segment_to_replicas_yet_to_read_it(tmp_path):
