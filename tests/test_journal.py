@@ -729,6 +729,20 @@ def test_a_purge_file_merged_while_a_replica_lists_them_is_read_all_the_same(
     assert [s.sealed for s in list_segments(tmp_path).values() if s.replica == "h-2-b"] == [False]
 
 
+def test_a_snapshot_deletes_no_segment_it_does_not_include(tmp_path):
+    a = replica(tmp_path, "h-1-a")
+    b = replica(tmp_path, "h-2-b")
+    serve(a, "1", [1, 1])
+    a.writer.flush()
+    a.close()  # sealed
+    settle(tmp_path)
+    # b never read a's segment: its snapshot includes none of it, and must leave it.
+    serve(b, "2", [2, 2])
+    b.compact(force=True)
+    assert [s.replica for s in list_segments(tmp_path).values()] == ["h-1-a"]
+    assert stored(replica(tmp_path, "h-3-c")) == [[1, 1], [2, 2]]
+
+
 def test_purge_files_merge_into_one_holding_every_rule_at_its_latest(tmp_path):
     x, y = b"x" * 8, b"y" * 8
     for before_ms, key in ((300, None), (100, None), (50, x), (20, x), (70, y)):

@@ -109,7 +109,9 @@ def test_background_indexing_swaps_in_a_complete_snapshot():
 
 def test_requests_enter_the_store_when_vllm_finishes_them():
     store = ServedStore(1000, background=False)
-    tracker = ServedRequests(store, include_prompts=False)
+    journaled = []
+    tracker = ServedRequests(store, include_prompts=False, persist=lambda key, req_id, doc:
+                             journaled.append((key, req_id, doc.tolist())))
     token_ids = np.zeros((2, 16), dtype=np.int32)
     # Step 1: both prefills sampled one token after prompts of 3 and 2 tokens.
     token_ids[0, :4] = [1, 2, 3, 10]
@@ -126,6 +128,8 @@ def test_requests_enter_the_store_when_vllm_finishes_them():
     assert [d.tolist() for d in store.documents()] == [[10, 11, 12, 13]]
     tracker.finish({"b", "never-seen"})
     assert [d.tolist() for d in store.documents()] == [[10, 11, 12, 13], [20, 21]]
+    # Each stored request goes to the journal (served_datastore) as stored, once.
+    assert journaled == [(None, "a", [10, 11, 12, 13]), (None, "b", [20, 21])]
 
 
 def test_prompts_are_stored_when_asked():
@@ -228,7 +232,9 @@ def test_keyed_stores_are_apart_and_bounded_together():
 
 def test_requests_without_a_key_are_not_kept_for_keyed_stores():
     stores = KeyedServedStores(max_tokens=100, max_stores=4, background=False)
-    tracker = ServedRequests(stores, include_prompts=False)
+    journaled = []
+    tracker = ServedRequests(stores, include_prompts=False, persist=lambda key, req_id, doc:
+                             journaled.append((key, req_id)))
     token_ids = np.array([[1, 2, 10], [3, 4, 20], [5, 6, 30]], dtype=np.int32)
     tracker.observe(["a", "b", "c"], [[10], [20], [30]], np.array([3, 3, 3]), token_ids,
                     ["x", None, "x"])
@@ -236,6 +242,7 @@ def test_requests_without_a_key_are_not_kept_for_keyed_stores():
     tracker.finish_all()
     assert sorted(d.tolist() for d in stores.get("x").documents()) == [[10], [30]]
     assert stores.num_stores == 1 and not tracker.keys
+    assert sorted(journaled) == [("x", "a"), ("x", "c")]  # under their key; "b" nowhere
 
 
 def test_evict_oldest_drops_one_request_and_reindexes():
