@@ -107,6 +107,21 @@ def test_background_indexing_swaps_in_a_complete_snapshot():
         store.close()
 
 
+def test_requests_removed_leave_the_background_index():
+    store = ServedStore(1000)
+    try:
+        store.add("a", [5, 6, 7], time_ms=100)
+        store.add("b", [5, 6, 8], time_ms=300)
+        assert store.wait_indexed()
+        assert continuations(store, [5, 6]) == (2, [[7], [8]])
+        # A purge or the age limit: the rebuilt index no longer drafts the request removed.
+        assert store.remove_where(lambda time_ms: time_ms < 200) == 1
+        assert store.wait_indexed()
+        assert continuations(store, [5, 6]) == (2, [[8]])
+    finally:
+        store.close()
+
+
 def test_requests_enter_the_store_when_vllm_finishes_them():
     store = ServedStore(1000, background=False)
     journaled = []
