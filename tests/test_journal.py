@@ -112,10 +112,18 @@ def test_a_writer_whose_segment_was_deleted_starts_another(tmp_path):
     writer = JournalWriter(tmp_path, "r", 1.0, background=False)
     writer.append(record(1, [5]))
     writer.flush()
+    reader = JournalReader(tmp_path, "x", {})
+    assert [r.doc_id for r in reader.poll()] == [1]
     (tmp_path / "journal-r.0").unlink()  # taken for a dead replica's
     writer.append(record(2, [6]))
     writer.flush()
     assert [r.doc_id for r in JournalReader(tmp_path, "x", {}).poll()] == [2]
+    # Under a new name: a reader that read the deleted segment to its end, were the name
+    # reused, would skip the new segment's records up to that offset.
+    assert [s.name for s in list_segments(tmp_path).values()] == ["journal-r.1"]
+    writer.append(record(3, [7]))
+    writer.flush()
+    assert [r.doc_id for r in reader.poll()] == [2, 3]
 
 
 class OsFailingAt:
