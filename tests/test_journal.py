@@ -551,6 +551,27 @@ def test_a_purge_falls_back_from_a_newest_snapshot_that_does_not_load(tmp_path, 
     assert stored(replica(tmp_path, "h-2-b", keyed=True), "y") == [[2, 2]]
 
 
+def test_a_snapshot_holds_purged_requests_by_time_and_by_the_whole_key(tmp_path):
+    x = bytes(range(16))
+    half_of_x = bytes(range(8)) + b"\xff" * 8  # the first half of x's digest, not the second
+    snapshot = tmp_path / "snapshot-0000000001-h-1-a"
+    served_saver.write_snapshot(snapshot, [served_saver.Entry(x, 1, 1000, np.arange(3)),
+                                           served_saver.Entry(NO_KEY, 2, 5000, np.arange(2))],
+                                {}, TOKENIZER)
+
+    def holds(before_ms, key=None):
+        rules = journal.PurgeRules()
+        rules.add(before_ms, key)
+        return served_saver.holds_purged(snapshot, rules)
+
+    assert holds(1001) and not holds(1000)  # every key's requests
+    assert holds(1001, x) and not holds(1000, x) and not holds(6000, half_of_x)
+    assert holds(5001, NO_KEY) and not holds(5000, NO_KEY)
+    # Its times and keys unreadable: it may hold them.
+    (snapshot / served_saver.DOCUMENTS_FILE).unlink()
+    assert holds(1, half_of_x)
+
+
 def test_a_snapshot_whose_times_and_keys_are_damaged_is_taken_to_hold_purged_requests(
         tmp_path):
     a = replica(tmp_path, "h-1-a")
