@@ -475,6 +475,26 @@ def test_requests_older_than_the_age_limit_are_evicted_and_leave_the_snapshot(tm
     assert stored(replica(tmp_path, "h-2-b")) == [[2, 2]]
 
 
+def test_a_start_up_over_the_bound_keeps_the_newest_requests_of_a_snapshot(tmp_path):
+    a = replica(tmp_path, "h-1-a")
+    now = time.time_ns() // 1_000_000
+    for i, age_ms in enumerate((1000, 3000, 2000)):  # not in time order
+        a.stores.add(str(i), [i, i], now - age_ms)
+    a.compact(force=True)
+    a.close()
+    assert stored(replica(tmp_path, "h-2-b", max_tokens=4)) == [[0, 0], [2, 2]]
+
+
+def test_keyed_requests_older_than_the_age_limit_are_evicted(tmp_path):
+    a = replica(tmp_path, "h-1-a", keyed=True, max_age_s=3600)
+    now = time.time_ns() // 1_000_000
+    digest = a.key_of("x")
+    a.stores.add(digest, "old", [1, 1], now - 2 * 3600 * 1000)
+    serve(a, "new", [2, 2], key="x")
+    assert a.remove_dropped() == 1
+    assert stored(a, "x") == [[2, 2]]
+
+
 def test_purge_by_key_and_age_reaches_running_replicas_and_the_disk(tmp_path):
     a = replica(tmp_path, "h-1-a", keyed=True)
     serve(a, "1", [1, 1], key="x")
