@@ -571,6 +571,19 @@ def test_a_purge_falls_back_from_a_newest_snapshot_that_does_not_load(tmp_path, 
     assert stored(replica(tmp_path, "h-2-b", keyed=True), "y") == [[2, 2]]
 
 
+def test_a_segment_with_bytes_past_its_records_may_hold_purged_requests(tmp_path):
+    writer = JournalWriter(tmp_path, "r", 1.0, background=False)
+    writer.append(record(1, [5], time_ms=1_000))
+    writer.flush()
+    rules = journal.PurgeRules()
+    rules.add(2_000, b"z" * 16)  # another key's: record 1 is kept
+    (segment,) = list_segments(tmp_path).values()
+    assert not journal.segment_holds_purged(segment, rules)
+    with open(segment.path, "ab") as f:
+        f.write(b"\x00" * 7)  # a torn record: what it held is not known
+    assert journal.segment_holds_purged(segment, rules)
+
+
 def test_a_snapshot_holds_purged_requests_by_time_and_by_the_whole_key(tmp_path):
     x = bytes(range(16))
     half_of_x = bytes(range(8)) + b"\xff" * 8  # the first half of x's digest, not the second

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
 import pytest
 
 from helpers import brute_force_match, make_tokenizer
-from vllm_retrieval_spec.datastore.format import DatastoreError, load_datastore, tokenizer_fingerprint
+from vllm_retrieval_spec.datastore.format import (
+    DatastoreError, file_sha256, load_datastore, tokenizer_fingerprint)
 from vllm_retrieval_spec.datastore.journal import NO_KEY, TokenizerFacts
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore, SuffixIndex
 from vllm_retrieval_spec.datastore.served_requests import ServedRequests
-from vllm_retrieval_spec.datastore.served_saver import Entry, read_snapshot, write_snapshot
+from vllm_retrieval_spec.datastore.served_saver import (
+    DOCUMENTS_FILE, SERVED_FILE, Entry, read_snapshot, write_snapshot)
 
 LOOKUP = {"min_len": 2, "max_len": 16, "max_occurrences": 64, "continuation_len": 4}
 
@@ -176,6 +179,13 @@ def test_a_snapshot_is_a_datastore_that_loads_back(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o700
     with pytest.raises(DatastoreError, match="tokenizer"):
         read_snapshot(path, "0" * 64)
+    # Times and keys for fewer requests than it holds (checksum and all): it does not load.
+    np.save(path / DOCUMENTS_FILE, np.load(path / DOCUMENTS_FILE)[:1])
+    served = json.loads((path / SERVED_FILE).read_text())
+    served["documents_sha256"] = file_sha256(path / DOCUMENTS_FILE)
+    (path / SERVED_FILE).write_text(json.dumps(served))
+    with pytest.raises(DatastoreError, match="holds 2 requests and 1 requests' times and keys"):
+        read_snapshot(path, facts.fingerprint)
     # Nothing left: a snapshot without a datastore.
     write_snapshot(tmp_path / "snapshot-2-r", [], {}, facts)
     assert read_snapshot(tmp_path / "snapshot-2-r", facts.fingerprint).entries == []
