@@ -859,6 +859,33 @@ def test_purge_needs_a_served_store(tmp_path):
 
 # ------------------------------------------------------------------------- housekeeping
 
+def test_an_unsealed_segment_is_stale_once_its_writer_is_gone(tmp_path):
+    host, dead = this_host(), 2**22 + 12345  # above pid_max's default: no such process
+
+    def segment(replica):
+        path = tmp_path / f"journal-{replica}.0"
+        path.write_bytes(b"")
+        return journal.Segment.parse(path)
+
+    assert journal.stale_segment(segment(f"{host}-{dead}-a"), 0, host)
+    assert not journal.stale_segment(segment(f"{host}-{os.getpid()}-b"), 0, host)
+    # Another host's pid means nothing here: its segment is stale only after an hour still.
+    assert not journal.stale_segment(segment(f"other-{dead}-c"), 60, host)
+    assert journal.stale_segment(segment(f"other-{dead}-c"),
+                                 journal.FOREIGN_TEMPORARY_S + 1, host)
+
+
+def test_a_snapshot_deletes_the_unsealed_segment_of_a_dead_replica_it_includes(tmp_path):
+    dead = replica(tmp_path, f"{this_host()}-{2**22 + 12345}-a")
+    serve(dead, "1", [1, 1])
+    dead.writer.flush()  # killed: its segment is never sealed
+    b = replica(tmp_path, "h-2-b")
+    settle(tmp_path)
+    b.compact(force=True)
+    assert list(list_segments(tmp_path)) == []
+    assert stored(replica(tmp_path, "h-3-c")) == [[1, 1]]
+
+
 def test_what_cut_off_writes_left_is_removed_at_start_up(tmp_path):
     dead = 2**22 + 12345  # above pid_max's default: no such process
     assert not stale_temporary("snapshot-1-h-1-a", 0, "h")
