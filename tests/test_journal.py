@@ -233,6 +233,10 @@ def test_torn_and_corrupt_tails_are_skipped_with_one_warning(tmp_path, caplog):
         assert reader.poll() == [] and reader.poll() == []
     assert len(caplog.records) == 2 and "cut off by a crash" in caplog.records[1].message
     assert reader.offsets == {"journal-a.0": len(good), "journal-b.0": len(good)}
+    # A sealed segment is written no more: a torn tail there is broken at once.
+    (tmp_path / "journal-c.0.sealed").write_bytes(good + encode_record(record(4, [1]))[:-3])
+    assert [r.doc_id for r in reader.poll()] == [1]
+    assert reader.broken == {"journal-a.0", "journal-b.0", "journal-c.0"}
 
 
 # ---------------------------------------------------------------------------- replicas
@@ -858,6 +862,17 @@ def test_purge_needs_a_served_store(tmp_path):
 
 
 # ------------------------------------------------------------------------- housekeeping
+
+def test_a_snapshot_deletes_a_broken_segment_it_includes_up_to_where_it_breaks(tmp_path):
+    good = encode_record(record(1, [5, 6], time_ms=journal.now_ms()))
+    (tmp_path / "journal-h-9-z.0.sealed").write_bytes(good + b"\x00" * 5)
+    b = replica(tmp_path, "h-2-b")
+    assert stored(b) == [[5, 6]]
+    settle(tmp_path)
+    b.compact(force=True)
+    assert list(list_segments(tmp_path)) == []
+    assert stored(replica(tmp_path, "h-3-c")) == [[5, 6]]
+
 
 def test_an_unsealed_segment_is_stale_once_its_writer_is_gone(tmp_path):
     host, dead = this_host(), 2**22 + 12345  # above pid_max's default: no such process
