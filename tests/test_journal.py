@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -86,6 +87,13 @@ def test_a_torn_record_stops_reading_and_a_corrupt_one_is_flagged():
     flipped[-1] ^= 1
     assert decode_records(first + bytes(flipped))[1:] == (len(first), True)
     assert decode_records(first + b"XXXX" + second[4:])[1:] == (len(first), True)
+    # A frame whose checksum holds but whose length cannot be a record's (shorter than the
+    # header, or tokens of 3 bytes): corrupt, not an exception.
+    header = second[12:44]
+    for payload in (header[:20], header + b"abc"):
+        frame = journal.MAGIC + len(payload).to_bytes(4, "little") \
+            + zlib.crc32(payload).to_bytes(4, "little") + payload
+        assert decode_records(first + frame)[1:] == (len(first), True)
 
 
 def test_the_writer_flushes_segments_mode_0600_and_rotation_seals_them(tmp_path):
