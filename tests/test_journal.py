@@ -96,6 +96,16 @@ def test_a_torn_record_stops_reading_and_a_corrupt_one_is_flagged():
         assert decode_records(first + frame)[1:] == (len(first), True)
 
 
+def test_segments_are_listed_in_the_order_written_once_each_sealed_if_so(tmp_path, monkeypatch):
+    for name in ("journal-r.10", "journal-r.2", "journal-q.1.sealed"):
+        (tmp_path / name).write_bytes(b"")
+    assert list(list_segments(tmp_path)) == ["journal-q.1", "journal-r.2", "journal-r.10"]
+    # Sealed while the directory was listed: seen under both names, it is the sealed one.
+    both = [tmp_path / "journal-s.0.sealed", tmp_path / "journal-s.0"]
+    monkeypatch.setattr(type(tmp_path), "iterdir", lambda self: iter(both))
+    assert list_segments(tmp_path)["journal-s.0"].sealed
+
+
 def test_the_writer_flushes_segments_mode_0600_and_rotation_seals_them(tmp_path):
     writer = JournalWriter(tmp_path, "r", 1.0, background=False)
     writer.flush()
