@@ -469,6 +469,27 @@ def test_a_snapshot_that_does_not_load_is_not_kept_as_the_next_ones_fallback(tmp
     assert stored(replica(tmp_path, "h-3-c")) == [[1, 1], [2, 2]]
 
 
+def test_a_scheduled_snapshot_is_written_only_after_changes_and_none_recent(tmp_path):
+    a = replica(tmp_path, "h-1-a")
+    assert a.compact() is None  # nothing stored
+    serve(a, "1", [1, 1])
+    assert a.compact() is not None
+    serve(a, "2", [2, 2])
+    assert a.compact() is None  # the last is younger than half an interval
+    settle(tmp_path)
+    assert a.compact() is not None
+    settle(tmp_path)
+    assert a.compact() is None  # nothing changed since
+    # Requests read from another replica's journal are changes too.
+    b = replica(tmp_path, "h-2-b")
+    serve(b, "3", [3, 3])
+    b.writer.flush()
+    a.sync()
+    settle(tmp_path)
+    assert a.compact() is not None
+    assert stored(replica(tmp_path, "h-3-c")) == [[1, 1], [2, 2], [3, 3]]
+
+
 def test_another_tokenizers_directory_is_refused(tmp_path):
     replica(tmp_path, "h-1-a")
     with pytest.raises(DatastoreError, match="another tokenizer"):
