@@ -297,7 +297,9 @@ def test_a_directory_holds_one_served_store_modes_requests(tmp_path, keyed):
     over the others': a directory of the other mode is refused, by the front-end's check and
     by the replica."""
     modes = {True: "'per_request'", False: "'shared'"}
-    serve(replica(tmp_path, "h-1-a", keyed=keyed), "r1", [5, 6], key="k" if keyed else None)
+    a = replica(tmp_path, "h-1-a", keyed=keyed)
+    serve(a, "r1", [5, 6], key="k" if keyed else None)
+    a.writer.flush()
     refused = (f"holds requests of served_store {modes[keyed]}; this server's is "
                f"{modes[not keyed]}: give it a directory of its own")
     with pytest.raises(DatastoreError, match=re.escape(refused)):
@@ -310,7 +312,8 @@ def test_a_directory_holds_one_served_store_modes_requests(tmp_path, keyed):
     facts = json.loads((tmp_path / STORE_FILE).read_text())
     del facts["keyed"]
     (tmp_path / STORE_FILE).write_text(json.dumps(facts))
-    assert stored(replica(tmp_path, "h-3-c", keyed=not keyed)) == []
+    assert replica(tmp_path, "h-3-c", keyed=not keyed).stores.num_documents == 0
+    assert replica(tmp_path, "h-4-d", keyed=keyed).stores.num_documents == 1
 
 
 @pytest.mark.parametrize("text", ["{", "[]", '{"tokenizer": {}}', '{"key_salt": "zz"}',
