@@ -125,6 +125,21 @@ def test_requests_removed_leave_the_background_index():
         store.close()
 
 
+def test_keyed_stores_drop_the_least_recently_used_and_the_emptied():
+    stores = KeyedServedStores(max_tokens=100, max_stores=2, background=False)
+    stores.add("x", "1", [1, 1], time_ms=100)
+    stores.add("y", "2", [2, 2], time_ms=300)
+    assert stores.get("x") is not None  # drafted from: now the most recently used
+    stores.add("z", "3", [3, 3], time_ms=300)
+    assert [key for key, _ in stores.items()] == ["x", "z"]
+    # A store a purge or the age limit empties goes; removing again finds nothing more.
+    assert stores.remove_where(lambda time_ms, key: time_ms < 200) == 1
+    assert [key for key, _ in stores.items()] == ["z"]
+    assert stores.remove_where(lambda time_ms, key: time_ms < 200) == 0
+    assert stores.get("z").remove_where(lambda time_ms: True) == 1
+    assert stores.get("z").remove_where(lambda time_ms: True) == 0
+
+
 def test_requests_enter_the_store_when_vllm_finishes_them():
     store = ServedStore(1000, background=False)
     journaled = []
