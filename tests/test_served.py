@@ -165,6 +165,24 @@ def test_requests_enter_the_store_when_vllm_finishes_them():
     assert journaled == [(None, "a", [10, 11, 12, 13]), (None, "b", [20, 21])]
 
 
+def test_a_request_is_stored_with_its_final_tokens_and_from_scratch_if_it_shrank():
+    store = ServedStore(1000, background=False)
+    tracker = ServedRequests(store, include_prompts=False)
+    tracker.observe(["a"], [[10]], np.array([4]), np.array([[1, 2, 3, 10]], np.int32))
+    # A row that sampled nothing (a partial prefill) is not a request yet.
+    tracker.observe(["b"], [[]], np.array([2]), np.array([[4, 5]], np.int32))
+    assert sorted(tracker.running) == ["a"]
+    # vLLM's row at the finish holds tokens of steps not observed.
+    tracker.finish({"a"}, final={"a": np.array([1, 2, 3, 10, 13, 14], dtype=np.int32)})
+    assert [d.tolist() for d in store.documents()] == [[10, 13, 14]]
+    # Fewer tokens than it had (recomputed after preemption): its row is read again.
+    tracker.observe(["c"], [[10]], np.array([4]), np.array([[1, 2, 3, 10]], np.int32))
+    tracker.observe(["c"], [[11]], np.array([5]), np.array([[1, 2, 3, 10, 11]], np.int32))
+    tracker.observe(["c"], [[12]], np.array([4]), np.array([[1, 2, 3, 12]], np.int32))
+    tracker.finish({"c"})
+    assert [d.tolist() for d in store.documents()][-1] == [12]
+
+
 def test_prompts_are_stored_when_asked():
     store = ServedStore(1000, background=False)
     tracker = ServedRequests(store, include_prompts=True)
