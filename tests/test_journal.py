@@ -617,6 +617,21 @@ def test_a_purge_falls_back_from_a_newest_snapshot_that_does_not_load(tmp_path, 
     assert stored(replica(tmp_path, "h-2-b", keyed=True), "y") == [[2, 2]]
 
 
+def test_a_purge_keeps_as_fallback_a_snapshot_that_loads(tmp_path):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", [1, 1])
+    good = a.compact(force=True)
+    serve(a, "2", [2, 2])
+    damaged = a.compact(force=True)
+    a.close()
+    (damaged / "tokens.npy").write_bytes(b"garbage")
+    settle(tmp_path)
+    time.sleep(0.01)
+    written, removed = purge(tmp_path, older_than_hours=1)  # nothing is that old
+    # As after a replica's snapshot: the one that does not load goes, not the one that does.
+    assert removed == 0 and list_snapshots(tmp_path) == [written, good]
+
+
 def test_a_segment_with_bytes_past_its_records_may_hold_purged_requests(tmp_path):
     writer = JournalWriter(tmp_path, "r", 1.0, background=False)
     writer.append(record(1, [5], time_ms=1_000))
