@@ -140,6 +140,27 @@ def test_keyed_stores_drop_the_least_recently_used_and_the_emptied():
     assert stores.get("z").remove_where(lambda time_ms: True) == 0
 
 
+def test_a_failed_rebuild_keeps_the_last_index_and_does_not_hold_up_waiters(monkeypatch, caplog):
+    store = ServedStore(1000)
+    try:
+        store.add("a", [5, 6, 7])
+        assert store.wait_indexed()
+        tries = []
+
+        def failing_refresh():
+            tries.append(1)
+            raise MemoryError("no room for the suffix array")
+
+        monkeypatch.setattr(store, "refresh", failing_refresh)
+        store.add("b", [5, 6, 8])
+        assert store.wait_indexed(timeout=2)
+        # Drafting goes on from the last index; the next request that finishes retries.
+        assert continuations(store, [5, 6]) == (2, [[7]]) and len(tries) == 1
+        assert "could not index the served store" in caplog.text
+    finally:
+        store.close()
+
+
 def test_requests_enter_the_store_when_vllm_finishes_them():
     store = ServedStore(1000, background=False)
     journaled = []
