@@ -267,19 +267,7 @@ def test_supported_backends_are_accepted(backend):
 def test_start_up_refusal_names_the_layer_and_the_fix():
     from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
 
-    backend = types.SimpleNamespace(get_name=lambda: "FLASHINFER")
-    runner = types.SimpleNamespace(
-        vllm_config=types.SimpleNamespace(
-            kv_transfer_config=None,
-            parallel_config=types.SimpleNamespace(pipeline_parallel_size=1,
-                                                  decode_context_parallel_size=1,
-                                                  use_ubatching=False)),
-        model_config=types.SimpleNamespace(use_mla=False, uses_mrope=False, rswa_window=None),
-        cache_config=types.SimpleNamespace(cache_dtype="auto"),
-        compilation_config=types.SimpleNamespace(static_forward_context={
-            "model.layers.0.self_attn.attn": types.SimpleNamespace(impl=impl())}),
-        attn_groups=[[types.SimpleNamespace(backend=backend,
-                                            layer_names=["model.layers.0.self_attn.attn"])]])
+    runner = refusal_runner(("FLASHINFER", {"model.layers.0.self_attn.attn": impl()}))
     with pytest.raises(ConfigError, match=r"FLASHINFER .*\(layer model.layers.0.self_attn.attn\)"
                                           r"; set \"tree\": \"off\""):
         refuse_unsupported_trees(runner, tree_refusal)

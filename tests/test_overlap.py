@@ -712,6 +712,22 @@ class CapShown(Summing):
         return np.array([50], dtype=np.int32), True
 
 
+def _step(proposer, ahead: str, context: list[int], sampled: list[int], draft: list[int]
+          ) -> list[int]:
+    """One engine step of request "r" with ``context`` (``sampled`` last) after ``draft`` was
+    verified: drafted before sampling where ``ahead`` is "before", then ``propose`` and the
+    work after the handover. Returns the step's draft."""
+    proposer.observe_batch(["r"])
+    if ahead == "before":
+        before, _ = batch(context[:-len(sampled)], width=WIDTH)
+        proposer.draft_before_sampling([sampled], [draft],
+                                       np.array([len(context) - len(sampled)]), before)
+    tokens, lengths = batch(context, width=WIDTH)
+    draft = proposer.propose([sampled], lengths, tokens)[0]
+    proposer.after_handover()
+    return draft
+
+
 @pytest.mark.parametrize("ahead", ["after", "precompute", "before"])
 def test_padding_is_no_evidence_of_acceptance_however_a_draft_was_made(ahead):
     """One drafted token padded to 4, of which 3 are accepted twice, counts as 1 of 1 accepted
@@ -727,14 +743,7 @@ def test_padding_is_no_evidence_of_acceptance_however_a_draft_was_made(ahead):
     draft: list[int] = []
     caps = []
     for _ in range(3):
-        proposer.observe_batch(["r"])
-        if ahead == "before":
-            before, _ = batch(context[:-len(sampled)], width=WIDTH)
-            proposer.draft_before_sampling([sampled], [draft],
-                                           np.array([len(context) - len(sampled)]), before)
-        tokens, lengths = batch(context, width=WIDTH)
-        draft = proposer.propose([sampled], lengths, tokens)[0]
-        proposer.after_handover()
+        draft = _step(proposer, ahead, context, sampled, draft)
         assert len(draft) == 4
         caps.append(draft[0])
         sampled = draft[:3] + [50]
@@ -762,14 +771,7 @@ def test_lookups_are_counted_alike_however_a_draft_was_made(ahead):
                                  draft_before_sampling=ahead == "before")
     draft: list[int] = []
     for context, sampled in (([1, 2, 3], [3]), ([1, 2, 3, 6, 9], [6, 9])):
-        proposer.observe_batch(["r"])
-        if ahead == "before":
-            start, _ = batch(context[:-len(sampled)], width=WIDTH)
-            proposer.draft_before_sampling([sampled], [draft],
-                                           np.array([len(context) - len(sampled)]), start)
-        tokens, lengths = batch(context, width=WIDTH)
-        draft = proposer.propose([sampled], lengths, tokens)[0]
-        proposer.after_handover()
+        draft = _step(proposer, ahead, context, sampled, draft)
     assert draft == []
     assert proposer.stats().get("precomputed_used", 0) == {"after": 0, "precompute": 1,
                                                            "before": 2}[ahead]
