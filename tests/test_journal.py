@@ -787,6 +787,30 @@ def test_a_snapshot_finished_while_a_replica_takes_the_lock_is_numbered_over(
     assert list_snapshots(tmp_path)[0] == written
 
 
+def test_after_a_purge_no_file_is_read_while_another_replica_writes_a_snapshot(
+        tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a")
+    serve(a, "1", SECRET)
+    a.writer.flush()
+    time.sleep(0.01)
+    purge(tmp_path)
+    a.sync()
+    monkeypatch.setattr(served_saver, "SETTLE_S", 0.0)
+    scans = []
+    files_holding_purged = served_saver.files_holding_purged
+    monkeypatch.setattr(served_saver, "files_holding_purged",
+                        lambda *args: scans.append(1) or files_holding_purged(*args))
+    other = CompactionLock(tmp_path, "h-2-b", served_saver.LEASE_S)
+    assert other.acquire()
+    # Before: every poll read every snapshot and segment while the lock was held (up to a
+    # dead holder's 10-minute lease).
+    assert a.compact_after_purge() is None and a.compact_after_purge() is None and not scans
+    other.release()
+    settle(tmp_path)
+    assert a.compact_after_purge() is not None and scans
+    assert files_holding(tmp_path, SECRET) == []
+
+
 def test_a_snapshot_after_a_purge_that_fails_is_tried_again_once_settled_not_every_poll(
         tmp_path, monkeypatch):
     a = replica(tmp_path, "h-1-a")

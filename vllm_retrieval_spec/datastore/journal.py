@@ -460,11 +460,7 @@ class CompactionLock:
             try:
                 fd = create_private(self.path)
             except FileExistsError:
-                try:
-                    expired = time.time() - self.path.stat().st_mtime > self.lease_s
-                except FileNotFoundError:
-                    continue
-                if not expired:
+                if self.held():
                     return False
                 self.path.unlink(missing_ok=True)
                 continue
@@ -472,6 +468,13 @@ class CompactionLock:
             os.close(fd)
             return True
         return False
+
+    def held(self) -> bool:
+        """Whether a holder's lease on the lock is running."""
+        try:
+            return time.time() - self.path.stat().st_mtime <= self.lease_s
+        except FileNotFoundError:
+            return False
 
     def release(self) -> None:
         try:

@@ -527,8 +527,11 @@ class ServedDirectory:
         poll while another replica holds the lock, ``SETTLE_S`` after one that failed (a
         full disk: not a snapshot built every poll); none once no file holds a purged request
         (another replica's deleted them). Returns the snapshot written."""
-        if self._purged_at is None or time.monotonic() - self._purged_at < SETTLE_S:
+        if self._purged_at is None or time.monotonic() - self._purged_at < SETTLE_S \
+                or self.lock.held():
             return None
+        # Read every file only once nobody writes a snapshot (which may delete them): not at
+        # every poll while another replica holds the lock.
         if not files_holding_purged(self.path, self.purges):
             self._purged_at = None
             return None
