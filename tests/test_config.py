@@ -1,5 +1,7 @@
 """Option validation: every bad value names the option and what is allowed."""
 
+import dataclasses
+
 import pytest
 
 from vllm_retrieval_spec.config import (
@@ -11,6 +13,7 @@ from vllm_retrieval_spec.config import (
     misspelt_method,
     parse_speculative_config,
 )
+from vllm_retrieval_spec.config.methods import spec_factor_for
 
 GOOD = {"method": "rest", "num_speculative_tokens": 8, "datastore": "/some/dir"}
 
@@ -177,6 +180,31 @@ def test_null_leaves_tree_min_prob_unset():
     with pytest.raises(ConfigError, match=r"'num_speculative_tokens'\]=None has type NoneType; "
                                           r"expected int$"):
         parse_speculative_config({**GOOD, "num_speculative_tokens": None}, VLLM_CPU_DEFAULTS)
+
+
+@pytest.mark.parametrize("cost, factor", [(0.0, 8.0), (0.0025, 8.0), (0.003, 7.0),
+                                          (0.005, 4.0), (0.01, 2.0), (0.055, 2.0), (1.0, 2.0)])
+def test_hybrid_caps_drafts_by_what_a_draft_token_costs(cost, factor):
+    # Unset, max_spec_factor follows draft_token_cost: 0.02 / cost, between 2 and 8.
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 24,
+                                       "draft_token_cost": cost}, ACCELERATOR_DEFAULTS)
+    assert config.max_spec_factor == factor
+    assert config_from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("factor", [0.0, 3.0])
+def test_a_max_spec_factor_given_is_kept(factor):
+    config = parse_speculative_config({"method": "hybrid", "num_speculative_tokens": 24,
+                                       "draft_token_cost": 0.001, "max_spec_factor": factor},
+                                      VLLM_CPU_DEFAULTS)
+    assert config.max_spec_factor == factor
+
+
+def test_the_platforms_draft_token_cost_gives_hybrid_its_cap():
+    hybrid = {"method": "hybrid", "num_speculative_tokens": 24}
+    assert parse_speculative_config(hybrid, VLLM_CPU_DEFAULTS).max_spec_factor == 2.0
+    cheap = dataclasses.replace(ACCELERATOR_DEFAULTS, draft_token_cost=0.004)
+    assert parse_speculative_config(hybrid, cheap).max_spec_factor == spec_factor_for(0.004) == 5
 
 
 @pytest.mark.parametrize(

