@@ -94,10 +94,10 @@ def datastore(tmp_path_factory) -> str:
     return str(path)
 
 
-def _proposer(kind: str, datastore: str, precompute: bool):
+def _proposer(kind: str, datastore: str, precompute: bool, **overrides):
     # No time budget: a draft dropped for being slow on a busy machine is no mismatch.
     options = {"num_speculative_tokens": 6, "precompute_drafts": precompute,
-               "min_prefix_prob": 0.0, "min_draft_len": 1, "draft_budget_ms": 0}
+               "min_prefix_prob": 0.0, "min_draft_len": 1, "draft_budget_ms": 0, **overrides}
     if kind == "pld":
         return RetrievalProposer(vllm_config({"method": "pld", **options}, WIDTH))
     if kind == "rest":
@@ -126,18 +126,24 @@ def _two_steps(proposer, first: list[int], second: list[int], sampled: list[int]
 @pytest.mark.parametrize("kind", ["pld", "rest", "hybrid", "hybrid/tree"])
 def test_precomputed_drafts_equal_drafting_after_sampling(kind, datastore):
     """For every accepted length and every bonus token, the second step's draft with
-    precomputed drafts equals a proposer's that drafts after sampling only (brute force)."""
-    reference = _proposer(kind, datastore, precompute=False)
+    precomputed drafts equals a proposer's that drafts after sampling only (brute force). A
+    tree is accepted along a prefix of its nodes here, its chain and past it."""
+    # A tree needs room for branches beside a chain the evidence rule ends.
+    options = {"num_speculative_tokens": 16, "min_prefix_prob": 0.3} \
+        if kind == "hybrid/tree" else {}
+    reference = _proposer(kind, datastore, precompute=False, **options)
+    reference.observe_batch(["r"], [True])
     draft = list(reference.propose([[CONTEXT[-1]]], *reversed(batch(CONTEXT, width=WIDTH)))[0])
     assert draft, "the context must draft something for this test to mean anything"
+    assert ("r" in reference.trees) == (kind == "hybrid/tree")
     used = missed = 0
     for a in range(len(draft) + 1):
         for b in range(VOCAB):
             if a < len(draft) and b == draft[a]:
                 continue  # vLLM never returns a rejected draft token as the bonus token
             second = CONTEXT + draft[:a] + [b]
-            reference = _proposer(kind, datastore, precompute=False)
-            proposer = _proposer(kind, datastore, precompute=True)
+            reference = _proposer(kind, datastore, precompute=False, **options)
+            proposer = _proposer(kind, datastore, precompute=True, **options)
             expected = _two_steps(reference, CONTEXT, second, draft[:a] + [b])
             got = _two_steps(proposer, CONTEXT, second, draft[:a] + [b])
             for done in (reference, proposer):
@@ -158,6 +164,34 @@ def test_precomputed_drafts_equal_drafting_after_sampling(kind, datastore):
         assert 0 < used < VOCAB
     else:
         assert used > missed
+
+
+def test_a_trees_drafts_made_ahead_follow_its_chain(datastore):
+    """A tree is accepted along one root path; the drafts made ahead assume its chain (the
+    first ``chain_len`` nodes), the path ``take`` can serve. Its nodes past the chain are no
+    path: drafts made for them as if they were (before: the budget went to those first, the
+    deepest acceptance) are never used."""
+    # Room for branches beside a chain the evidence rule ends.
+    proposer = _proposer("hybrid/tree", datastore, precompute=True, num_speculative_tokens=16,
+                         min_prefix_prob=0.3)
+    proposer.ahead.max_drafts = 1000
+    proposer.observe_batch(["r"], [True])
+    tokens, lengths = batch(CONTEXT, width=WIDTH)
+    proposer.propose([[CONTEXT[-1]]], lengths, tokens)
+    tree = proposer.trees["r"]
+    assert 0 < tree.chain_len < len(tree.tokens), "the test needs a tree that branches"
+    made = []
+    made_ahead = proposer.ahead.checked
+    proposer.ahead.checked = lambda row, context, *rest: made.append(context.tolist()) \
+        or made_ahead(row, context, *rest)
+    proposer.after_handover()
+    chain = tree.chain().tolist()
+    accepted = {len(context) - len(CONTEXT) - 1 for context in made}
+    # Every acceptance along the chain that has a follower besides its draft token.
+    assert tree.chain_len in accepted and accepted <= set(range(tree.chain_len + 1))
+    assert all(context[len(CONTEXT):-1] == chain[:len(context) - len(CONTEXT) - 1]
+               for context in made)
+    proposer.close()
 
 
 TRUTH = CONTEXT + [4, 5, 6, 1, 2, 3, 7, 8, 1, 2, 9, 4, 5, 6, 10, 2, 3, 4, 5, 11, 1, 2, 3,

@@ -19,6 +19,7 @@ from vllm_retrieval_spec.contract import MethodDrafter
 from vllm_retrieval_spec.drafting.lengths import DraftLengths
 from vllm_retrieval_spec.drafting.overlap import (
     NextDrafts, ReadyDraft, precompute_plan, same_snapshot)
+from vllm_retrieval_spec.drafting.tree import TreeDraft
 
 #: A checked draft of batch row ``row`` for ``context``: (tokens, tree or None).
 CheckedDraft = Callable[[int, np.ndarray, int], tuple[list[int], Any]]
@@ -58,12 +59,15 @@ class DraftAhead:
         return self.row_ahead[row] if row < len(self.row_ahead) else None
 
     def hand(self, row: int, req_id: str, context: np.ndarray, draft: list[int],
-             copy: bool) -> None:
-        """Row ``row``'s draft went to vLLM; with ``precompute`` its next drafts are made after
-        the handover, from a copy of ``context`` where it is a view of vLLM's buffer (``copy``):
-        vLLM may move its rows meanwhile."""
+             tree: TreeDraft | None, copy: bool) -> None:
+        """Row ``row``'s draft (``tree``'s nodes, where it is one) went to vLLM; with
+        ``precompute`` its next drafts are made after the handover, from a copy of ``context``
+        where it is a view of vLLM's buffer (``copy``): vLLM may move its rows meanwhile. A
+        tree's are made along its chain, the one path of it ``NextDrafts.take`` serves: its
+        other nodes follow no single path."""
         if self.precompute:
-            self.handed.append((row, req_id, context.copy() if copy else context, draft))
+            self.handed.append((row, req_id, context.copy() if copy else context,
+                                draft if tree is None else draft[:tree.chain_len]))
 
     def before_sampling(self, sampled: list[list[int] | None], num_tokens_no_spec: np.ndarray,
                         token_ids_cpu: np.ndarray, row_req_ids: list[str],

@@ -258,7 +258,7 @@ class RetrievalProposer(Drafter):
             self.trees[req_id] = ready.tree
         if pad:
             self.lengths.handed(req_id, len(ready.draft), ready.tree is not None)
-        self.ahead.hand(i, req_id, ready.context, ready.draft, copy=False)
+        self.ahead.hand(i, req_id, ready.context, ready.draft, ready.tree, copy=False)
         return ready.draft
 
     def _take_precomputed(self, req_id: str, sampled: list[int], max_len: int,
@@ -299,7 +299,7 @@ class RetrievalProposer(Drafter):
             draft = padded
         if pad:
             self.lengths.handed(req_id, len(draft), tree is not None)
-        self.ahead.hand(i, req_id, context, draft, copy=True)
+        self.ahead.hand(i, req_id, context, draft, tree, copy=True)
         return draft
 
     @property
