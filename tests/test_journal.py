@@ -65,6 +65,17 @@ def settle(path) -> None:
         os.utime(file, (LONG_AGO, LONG_AGO))
 
 
+def purged_in_open_segment(path) -> ServedDirectory:
+    """Replica h-1-a, whose open segment holds SECRET's request, purged after it was written
+    (the purge leaves that segment to a)."""
+    a = replica(path, "h-1-a")
+    serve(a, "1", SECRET)
+    a.writer.flush()
+    time.sleep(0.01)
+    purge(path)
+    return a
+
+
 # ------------------------------------------------------------------------------ records
 
 def test_records_round_trip():
@@ -749,11 +760,7 @@ def test_after_a_purge_a_replica_writes_no_snapshot_once_another_deleted_what_he
 
 def test_a_replica_stopped_before_its_purge_snapshot_writes_it_at_its_next_start(
         tmp_path, monkeypatch):
-    a = replica(tmp_path, "h-1-a")
-    serve(a, "1", SECRET)
-    a.writer.flush()  # in a's open segment, which the purge leaves to a
-    time.sleep(0.01)
-    purge(tmp_path)
+    a = purged_in_open_segment(tmp_path)
     a.sync()  # sealed; a is stopped before its snapshot follows
     a.close()
     monkeypatch.setattr(served_saver, "SETTLE_S", 0.0)
@@ -789,11 +796,7 @@ def test_a_snapshot_finished_while_a_replica_takes_the_lock_is_numbered_over(
 
 def test_after_a_purge_no_file_is_read_while_another_replica_writes_a_snapshot(
         tmp_path, monkeypatch):
-    a = replica(tmp_path, "h-1-a")
-    serve(a, "1", SECRET)
-    a.writer.flush()
-    time.sleep(0.01)
-    purge(tmp_path)
+    a = purged_in_open_segment(tmp_path)
     a.sync()
     monkeypatch.setattr(served_saver, "SETTLE_S", 0.0)
     scans = []
@@ -813,11 +816,7 @@ def test_after_a_purge_no_file_is_read_while_another_replica_writes_a_snapshot(
 
 def test_a_snapshot_after_a_purge_that_fails_is_tried_again_once_settled_not_every_poll(
         tmp_path, monkeypatch):
-    a = replica(tmp_path, "h-1-a")
-    serve(a, "1", SECRET)
-    a.writer.flush()
-    time.sleep(0.01)
-    purge(tmp_path)
+    a = purged_in_open_segment(tmp_path)
     clock = [time.monotonic()]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     a.sync()
