@@ -356,6 +356,38 @@ def test_served_purge_waits_for_a_stopped_servers_segment_to_settle(tmp_path, ca
     assert out.endswith("no file holds them any more\n") and not sealed.exists()
 
 
+def test_served_purge_waits_without_snapshots_while_a_writer_may_still_append(
+        tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    from vllm_retrieval_spec.datastore import journal, served_saver
+    from vllm_retrieval_spec.datastore.journal import TokenizerFacts
+    from vllm_retrieval_spec.datastore.served import KeyedServedStores
+    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, list_snapshots
+
+    monkeypatch.setattr(journal, "SETTLE_S", 0.1)
+    monkeypatch.setattr(served_saver, "SETTLE_S", 0.1)
+    monkeypatch.setattr(cli, "WAIT_POLL_S", 0.02)
+    # A server on another host, its segment open: its pid means nothing here.
+    served = ServedDirectory(tmp_path, KeyedServedStores(100, 4, background=False),
+                             TokenizerFacts("t", "f" * 64, 100), flush_s=1, compact_s=60,
+                             background=False, replica="otherhost-1-a")
+    digest = served.key_of("x")
+    served.record(digest, "1", served.stores.add(digest, "1", np.arange(3)))
+    served.writer.flush()
+    (segment,) = tmp_path.glob("journal-*")
+    with pytest.raises(SystemExit, match=f"still held by {segment.name} "):
+        cli.main(["served", "purge", str(tmp_path), "--key", "x", "--wait", "0.5"])
+    # Before: a snapshot every SETTLE_S of the wait, none of which could delete the segment.
+    assert [p.name[:19] for p in list_snapshots(tmp_path)] == ["snapshot-0000000001"]
+    # Once its writer has been still past every heartbeat, it is a dead server's.
+    old = time.time() - journal.FOREIGN_SEGMENT_S - 1
+    os.utime(segment, (old, old))
+    cli.main(["served", "purge", str(tmp_path), "--key", "x", "--wait", "5"])
+    assert capsys.readouterr().out.endswith("no file holds them any more\n")
+    assert not segment.exists()
+
+
 def test_served_purge_fails_naming_what_still_holds_the_requests_when_the_wait_ends(
         tmp_path, capsys):
     _stopped_replica_with_two_keys(tmp_path)

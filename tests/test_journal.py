@@ -806,7 +806,7 @@ def test_after_a_purge_no_file_is_read_while_another_replica_writes_a_snapshot(
     other = CompactionLock(tmp_path, "h-2-b", served_saver.LEASE_S)
     assert other.acquire()
     # Before: every poll read every snapshot and segment while the lock was held (up to a
-    # dead holder's 10-minute lease).
+    # dead holder's lease).
     assert a.compact_after_purge() is None and a.compact_after_purge() is None and not scans
     other.release()
     settle(tmp_path)
@@ -964,10 +964,46 @@ def test_an_unsealed_segment_is_stale_once_its_writer_is_gone(tmp_path):
 
     assert journal.stale_segment(segment(f"{host}-{dead}-a"), 0, host)
     assert not journal.stale_segment(segment(f"{host}-{os.getpid()}-b"), 0, host)
-    # Another host's pid means nothing here: its segment is stale only after an hour still.
+    # Another host's pid means nothing here: its segment is stale once still past its beats.
     assert not journal.stale_segment(segment(f"other-{dead}-c"), 60, host)
-    assert journal.stale_segment(segment(f"other-{dead}-c"),
-                                 journal.FOREIGN_TEMPORARY_S + 1, host)
+    assert not journal.stale_segment(segment(f"other-{dead}-c"),
+                                     journal.FOREIGN_SEGMENT_S - 1, host)
+    assert journal.stale_segment(segment(f"other-{dead}-c"), journal.FOREIGN_SEGMENT_S + 1, host)
+
+
+def test_a_live_writer_keeps_its_quiet_segment_from_reading_as_a_dead_ones(tmp_path,
+                                                                            monkeypatch):
+    def age(segment) -> float:
+        return time.time() - segment.path.stat().st_mtime
+
+    writer = JournalWriter(tmp_path, "other-1-a", 1.0, background=False)
+    writer.beat()  # no segment open yet: nothing to touch, nothing created
+    assert list(tmp_path.iterdir()) == []
+    writer.append(record(1, [1, 2]))
+    writer.flush()
+    [segment] = list_segments(tmp_path).values()
+    os.utime(segment.path, (LONG_AGO, LONG_AGO))
+    assert journal.stale_segment(segment, age(segment), this_host())
+    writer.beat()
+    assert not journal.stale_segment(segment, age(segment), this_host())
+    writer.close()
+
+    # The writer's thread beats though it has nothing more to write.
+    monkeypatch.setattr(journal, "HEARTBEAT_S", 0.0)
+    size = len(encode_record(record(2, [3, 4])))
+    threaded = JournalWriter(tmp_path, "other-2-b", 0.01)
+    threaded.append(record(2, [3, 4]))
+    deadline = time.monotonic() + 10
+    while threaded.flushed_sizes() != {"journal-other-2-b.0": size} \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    segment = list_segments(tmp_path)["journal-other-2-b.0"]
+    os.utime(segment.path, (LONG_AGO, LONG_AGO))
+    while age(segment) > 60 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not journal.stale_segment(segment, age(segment), this_host())
+    assert segment.path.stat().st_size == size
+    threaded.close()
 
 
 def test_a_snapshot_deletes_the_unsealed_segment_of_a_dead_replica_it_includes(tmp_path):
@@ -1015,6 +1051,31 @@ def test_the_lock_is_taken_over_once_its_lease_ran_out(tmp_path):
     assert (tmp_path / "compact.lock").read_text() == "b"
     taker.release()
     assert not (tmp_path / "compact.lock").exists()
+
+
+def test_a_live_holder_renews_its_lease_for_max_hold_s_at_most(tmp_path, monkeypatch):
+    lease_s = 1.0  # renewed every quarter: a busy machine's thread has 0.75 s of slack
+    held = CompactionLock(tmp_path, "a", lease_s)
+    assert held.acquire()
+    time.sleep(1.5 * lease_s)
+    assert held.held()
+    assert not CompactionLock(tmp_path, "b", lease_s).acquire()
+    held.release()
+    assert not (tmp_path / "compact.lock").exists()
+    # A lock released stays released: the renewing thread ended with it.
+    time.sleep(0.5 * lease_s)
+    assert not (tmp_path / "compact.lock").exists()
+
+    # One stuck past MAX_HOLD_S is taken for a dead one.
+    monkeypatch.setattr(journal, "MAX_HOLD_S", 0.5 * lease_s)
+    stuck = CompactionLock(tmp_path, "a", lease_s)
+    assert stuck.acquire()
+    time.sleep(2 * lease_s)
+    taker = CompactionLock(tmp_path, "b", lease_s)
+    assert taker.acquire()
+    stuck.release()  # not a's any more: left alone
+    assert (tmp_path / "compact.lock").read_text() == "b"
+    taker.release()
 
 
 # --------------------------------------------------------- a store saved before the journal

@@ -183,9 +183,10 @@ def inspect_command(args: argparse.Namespace) -> None:
 def served_purge_command(args: argparse.Namespace) -> None:
     """Purge requests from a served store's directory, its replicas running or not; say which
     files still hold them, or with ``--wait`` wait for them to lose them."""
-    from vllm_retrieval_spec.datastore.journal import SETTLE_S, read_purges
+    from vllm_retrieval_spec.datastore.journal import (
+        FOREIGN_SEGMENT_S, SETTLE_S, read_purges)
     from vllm_retrieval_spec.datastore.served_saver import (
-        LEASE_S, compact_purged, files_holding_purged, purge)
+        LEASE_S, compact_purged, files_holding_purged, in_open_segments, purge)
 
     if args.older_than is not None and args.older_than < 0:
         raise SystemExit("error: --older-than must be 0 or more hours")
@@ -199,10 +200,11 @@ def served_purge_command(args: argparse.Namespace) -> None:
           + (f"{removed} request(s) removed from the files in a new snapshot, {snapshot.name}"
              if snapshot is not None else
              "no snapshot written: the compaction lock is held (a server writing one, or one "
-             f"killed while writing, for up to {LEASE_S / 60:.0f} minutes)")
+             f"killed while writing, for up to {LEASE_S / 60:.0f} minutes after its death)")
           + ("; still held by " + ", ".join(path.name for path in waiting)
              + (f" (a stopped server's: run this again once they have been still {SETTLE_S:.0f}"
-                " s, an hour for an unsealed one from another host; or pass --wait)"
+                f" s, {FOREIGN_SEGMENT_S / 60:.0f} minutes for an unsealed one from another "
+                "host; or pass --wait)"
                 if args.wait is None else f" (waiting up to {args.wait:g} s)")
              if waiting else "; no file holds them any more"), flush=True)
     if args.wait is None or not waiting:
@@ -211,9 +213,10 @@ def served_purge_command(args: argparse.Namespace) -> None:
     compacted = time.monotonic()
     while waiting and time.monotonic() < deadline:
         # Files settle SETTLE_S after their last write; running servers then delete theirs,
-        # a stopped fleet's wait for a compaction, made here at most once per SETTLE_S.
+        # a stopped fleet's wait for a compaction, made here at most once per SETTLE_S, and
+        # only where it could delete one (not every SETTLE_S while a writer may still append).
         time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
-        if time.monotonic() - compacted >= SETTLE_S:
+        if time.monotonic() - compacted >= SETTLE_S and not in_open_segments(waiting):
             compact_purged(directory)
             compacted = time.monotonic()
         still = files_holding_purged(directory, read_purges(directory)[1])
@@ -224,8 +227,8 @@ def served_purge_command(args: argparse.Namespace) -> None:
     if waiting:
         raise SystemExit(f"error: after {args.wait:g} s the purged requests are still held by "
                          + ", ".join(path.name for path in waiting) + " (an unsealed segment "
-                         "from another host waits an hour; a held compaction lock up to "
-                         f"{LEASE_S / 60:.0f} minutes)")
+                         f"from another host waits {FOREIGN_SEGMENT_S / 60:.0f} minutes still; "
+                         f"a dead server's compaction lock {LEASE_S / 60:.0f} minutes)")
 
 
 def fetch_model_command(args: argparse.Namespace) -> None:

@@ -63,6 +63,16 @@ _TEMPORARY = re.compile(r".+\.(?:tmp|old)-(\d+)")
 SETTLE_S = 30.0
 #: A temporary left by another host is removed after this long: its pid means nothing here.
 FOREIGN_TEMPORARY_S = 3600.0
+#: A replica touches its open segment this often, written to or not (``JournalWriter.beat``):
+#: another host cannot ask whether its pid lives, but can read the segment's age.
+HEARTBEAT_S = 60.0
+#: Another host's unsealed segment is a dead writer's once this long still: ten missed beats
+#: (a live writer's thread only waits between them, and a flush interval is at most a minute).
+FOREIGN_SEGMENT_S = 10 * HEARTBEAT_S
+#: The compaction lock's holder renews its lease for this long at most, so that one stuck
+#: is taken for a dead one within ten minutes, as before leases were renewed (a snapshot of 1 M
+#: random token ids took 0.1 s on 2 cores).
+MAX_HOLD_S = 480.0
 #: Files and directories the store creates: readable by the serving user only.
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -323,9 +333,27 @@ class JournalWriter:
         fsync_directory(self.directory)
         return self._fd
 
+    def beat(self) -> None:
+        """Touch the open segment, so that other hosts read its writer as alive
+        (``stale_segment``)."""
+        with self._write_lock:
+            if self._fd is None:
+                return
+            try:
+                os.utime(self._fd)
+            except OSError:
+                # Taken for a dead writer's, the segment is deleted once a snapshot includes
+                # it whole, and the next batch starts another (``_current``): nothing is lost.
+                logger.warning("served store: could not touch the journal segment %s",
+                               self._path)
+
     def _flush_forever(self) -> None:
+        last_beat = time.monotonic()
         while not self._stop.wait(self.flush_s):
             self.flush()
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                self.beat()
+                last_beat = time.monotonic()
 
 
 def segment_holds_purged(segment: Segment, rules: PurgeRules) -> bool:
@@ -446,14 +474,17 @@ def purge_files(directory: Path) -> list[Path]:
 
 class CompactionLock:
     """One snapshot writer at a time: ``compact.lock`` is created exclusively, and taken over
-    once its holder's lease (``lease_s`` since it last wrote the file) ran out: a holder
-    killed mid-snapshot blocks nobody. Two replicas taking over one lease at once would both
-    write a snapshot: that costs work, never data (``datastore.served_saver``)."""
+    once its holder's lease (``lease_s`` since the file last changed) ran out. The holder's
+    thread renews the lease while it lives, for ``MAX_HOLD_S`` at most: a holder killed
+    mid-snapshot blocks the others for one lease, one stuck for ``MAX_HOLD_S``. Two replicas
+    taking over one lease at once would both write a snapshot: that costs work, never data
+    (``datastore.served_saver``)."""
 
     def __init__(self, directory: Path, owner: str, lease_s: float) -> None:
         self.path = directory / LOCK_FILE
         self.owner = owner
         self.lease_s = lease_s
+        self._released = threading.Event()
 
     def acquire(self) -> bool:
         for _ in range(2):
@@ -466,8 +497,21 @@ class CompactionLock:
                 continue
             os.write(fd, self.owner.encode())
             os.close(fd)
+            self._released = threading.Event()
+            threading.Thread(target=self._renew, args=(self._released,),
+                             name="served-lock-lease", daemon=True).start()
             return True
         return False
+
+    def _renew(self, released: threading.Event) -> None:
+        deadline = time.monotonic() + MAX_HOLD_S
+        while not released.wait(self.lease_s / 4) and time.monotonic() < deadline:
+            try:
+                if self.path.read_text() != self.owner:
+                    return  # taken over: this holder's lease had run out
+                os.utime(self.path)
+            except OSError:
+                return
 
     def held(self) -> bool:
         """Whether a holder's lease on the lock is running."""
@@ -477,6 +521,7 @@ class CompactionLock:
             return False
 
     def release(self) -> None:
+        self._released.set()
         try:
             if self.path.read_text() == self.owner:
                 self.path.unlink()
@@ -513,8 +558,8 @@ def stale_temporary(name: str, age_s: float, host: str) -> bool:
 
 def stale_segment(segment: Segment, age_s: float, host: str) -> bool:
     """Whether an unsealed segment's writer is gone: its pid is dead on this host, or it has
-    not written for ``FOREIGN_TEMPORARY_S`` (another host's)."""
-    if age_s > FOREIGN_TEMPORARY_S:
+    been still for ``FOREIGN_SEGMENT_S``, past every heartbeat (another host's)."""
+    if age_s > FOREIGN_SEGMENT_S:
         return True
     parts = segment.replica.rsplit("-", 2)
     return len(parts) == 3 and parts[0] == host and parts[1].isdigit() \

@@ -36,10 +36,10 @@ from vllm_retrieval_spec.datastore.dense import DENSE_DIR
 from vllm_retrieval_spec.datastore.format import (
     MANIFEST_FILE, SEPARATOR, DatastoreError, file_sha256, load_datastore)
 from vllm_retrieval_spec.datastore.journal import (
-    DIR_MODE, FILE_MODE, NO_KEY, REPLICA, SETTLE_S, STORE_FILE, CompactionLock, JournalReader,
-    JournalWriter, PurgeRules, Record, TokenizerFacts, check_keyed, check_tokenizer, doc_id,
-    fsync_directory, key_digest, list_segments, new_replica_id, now_ms, purge_files,
-    read_purges, remove_stale_temporaries, segment_holds_purged, stale_segment,
+    DIR_MODE, FILE_MODE, MAX_HOLD_S, NO_KEY, REPLICA, SETTLE_S, STORE_FILE, CompactionLock,
+    JournalReader, JournalWriter, PurgeRules, Record, Segment, TokenizerFacts, check_keyed,
+    check_tokenizer, doc_id, fsync_directory, key_digest, list_segments, new_replica_id, now_ms,
+    purge_files, read_purges, remove_stale_temporaries, segment_holds_purged, stale_segment,
     read_store_facts, store_facts, this_host, write_purge)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_dense import (
@@ -55,8 +55,8 @@ _SNAPSHOT = re.compile(rf"snapshot-(\d+)-{REPLICA}")
 DOCUMENTS_FILE = "documents.npy"
 #: The segments' offsets a snapshot includes, and documents.npy's checksum.
 SERVED_FILE = "served.json"
-#: A replica killed while writing a snapshot holds the lock this long.
-LEASE_S = 600.0
+#: A replica killed while writing a snapshot holds the lock this long (a live one renews it).
+LEASE_S = 120.0
 #: Requests past ``max_age_s`` are looked for this often.
 RETENTION_SWEEP_S = 60.0
 
@@ -219,7 +219,7 @@ def check_served_directory(path: Path, fingerprint: str, keyed: bool, *,
 #: The requests of a store saved before the journal: its own document ids.
 LEGACY_REPLICA = "legacy"
 #: How long a replica waits for another that is adopting a legacy store (or compacting).
-ADOPT_WAIT_S = LEASE_S
+ADOPT_WAIT_S = MAX_HOLD_S + LEASE_S
 
 
 def adopt_legacy_store(directory: Path, tokenizer: TokenizerFacts, replica: str) -> int:
@@ -638,6 +638,21 @@ def files_holding_purged(directory: Path, rules: PurgeRules) -> list[Path]:
         [s.path for s in list_segments(directory).values() if segment_holds_purged(s, rules)]
 
 
+def in_open_segments(paths: list[Path]) -> bool:
+    """Whether every one of ``paths`` is an unsealed segment whose writer may still append to
+    it (``stale_segment``): no snapshot written now could delete any of them."""
+    host, now = this_host(), time.time()
+    for path in paths:
+        segment = Segment.parse(path)
+        try:
+            if segment is None or segment.sealed \
+                    or stale_segment(segment, now - path.stat().st_mtime, host):
+                return False
+        except FileNotFoundError:
+            return False
+    return True
+
+
 def purge(directory: str | Path, *, key: str | None = None,
           older_than_hours: float | None = None) -> tuple[Path | None, int]:
     """Remove served requests (of ``key``; finished more than ``older_than_hours`` ago; with
@@ -654,9 +669,9 @@ def purge(directory: str | Path, *, key: str | None = None,
     that, once it starts again), which deletes the rest: the files lose the purged requests
     within ``SETTLE_S`` and two flush intervals. But for a stopped fleet's segments sealed in
     the last ``SETTLE_S`` (``compact_purged`` once they settled), and the unsealed segment of a
-    replica killed on another host: at the first snapshot after ``FOREIGN_TEMPORARY_S`` (an
-    hour) without writes. Returns the snapshot written (None: left to the fleet) and the
-    requests it removed."""
+    replica killed on another host: at the first snapshot after ``FOREIGN_SEGMENT_S`` (ten
+    minutes) without writes or heartbeats. Returns the snapshot written (None: left to the
+    fleet) and the requests it removed."""
     directory = Path(directory)
     facts = read_store_facts(directory)
     before = now_ms() - (int(3_600_000 * older_than_hours) if older_than_hours else 0)
