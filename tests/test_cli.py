@@ -323,7 +323,8 @@ def test_served_purge_removes_a_keys_requests(tmp_path, capsys):
         cli.main(["served", "purge", str(tmp_path), "--older-than", "-1"])
 
 
-def _stopped_replica_with_two_keys(directory):
+def _replica_serving(directory, keys, replica=None):
+    """A server (no threads) that served one request of each key, its journal flushed."""
     import numpy as np
 
     from vllm_retrieval_spec.datastore.journal import TokenizerFacts
@@ -332,11 +333,17 @@ def _stopped_replica_with_two_keys(directory):
 
     served = ServedDirectory(directory, KeyedServedStores(100, 4, background=False),
                              TokenizerFacts("t", "f" * 64, 100), flush_s=1, compact_s=60,
-                             background=False)
-    for key, request_id in (("x", "1"), ("y", "2")):
+                             background=False, replica=replica)
+    for request_id, key in enumerate(keys, 1):
         digest = served.key_of(key)
-        served.record(digest, request_id, served.stores.add(digest, request_id, np.arange(3)))
-    served.close()
+        served.record(digest, str(request_id),
+                      served.stores.add(digest, str(request_id), np.arange(3)))
+    served.writer.flush()
+    return served
+
+
+def _stopped_replica_with_two_keys(directory):
+    _replica_serving(directory, ("x", "y")).close()
 
 
 def test_served_purge_waits_for_a_stopped_servers_segment_to_settle(tmp_path, capsys,
@@ -358,23 +365,14 @@ def test_served_purge_waits_for_a_stopped_servers_segment_to_settle(tmp_path, ca
 
 def test_served_purge_waits_without_snapshots_while_a_writer_may_still_append(
         tmp_path, capsys, monkeypatch):
-    import numpy as np
-
     from vllm_retrieval_spec.datastore import journal, served_saver
-    from vllm_retrieval_spec.datastore.journal import TokenizerFacts
-    from vllm_retrieval_spec.datastore.served import KeyedServedStores
-    from vllm_retrieval_spec.datastore.served_saver import ServedDirectory, list_snapshots
+    from vllm_retrieval_spec.datastore.served_saver import list_snapshots
 
     monkeypatch.setattr(journal, "SETTLE_S", 0.1)
     monkeypatch.setattr(served_saver, "SETTLE_S", 0.1)
     monkeypatch.setattr(cli, "WAIT_POLL_S", 0.02)
     # A server on another host, its segment open: its pid means nothing here.
-    served = ServedDirectory(tmp_path, KeyedServedStores(100, 4, background=False),
-                             TokenizerFacts("t", "f" * 64, 100), flush_s=1, compact_s=60,
-                             background=False, replica="otherhost-1-a")
-    digest = served.key_of("x")
-    served.record(digest, "1", served.stores.add(digest, "1", np.arange(3)))
-    served.writer.flush()
+    _replica_serving(tmp_path, ("x",), replica="otherhost-1-a")
     (segment,) = tmp_path.glob("journal-*")
     with pytest.raises(SystemExit, match=f"still held by {segment.name} "):
         cli.main(["served", "purge", str(tmp_path), "--key", "x", "--wait", "0.5"])
