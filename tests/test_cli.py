@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,32 @@ def test_each_server_gets_its_own_metrics_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     cli.main(["serve", str(tmp_path)])
     assert envs[2]["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path)
+
+
+def test_a_server_start_removes_the_metrics_directories_of_exited_servers(monkeypatch,
+                                                                         tmp_path):
+    """The exec leaves no process to remove a server's metrics directory when it exits: the
+    next start on this host removes those whose server's pid is dead (and only those)."""
+    from vllm_retrieval_spec.datastore.journal import this_host
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setattr(cli.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    names = {"exited": f"{this_host()}-{exited.pid}-abc", "alive": f"{this_host()}-1-abc",
+             "other host": f"otherhost-{exited.pid}-abc", "unnamed": "x1y2z3"}
+    for name in names.values():
+        (tmp_path / "tmp" / f"vllm-rsd-metrics-{name}").mkdir()
+        (tmp_path / "tmp" / f"vllm-rsd-metrics-{name}" / "counter_1.db").write_bytes(b"1")
+    envs = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: envs.append(env))
+    cli.main(["serve", str(tmp_path)])
+    new = Path(envs[0]["PROMETHEUS_MULTIPROC_DIR"])
+    assert new.name.startswith(f"vllm-rsd-metrics-{this_host()}-{os.getpid()}-")
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == sorted(
+        [new.name] + [f"vllm-rsd-metrics-{names[k]}" for k in ("alive", "other host",
+                                                                 "unnamed")])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -290,10 +290,29 @@ def serve_command(args: argparse.Namespace) -> None:
         # several API servers). The directory is per server start, so no stale series mix in;
         # it goes to the server's environment only, never to the caller's (a caller that starts
         # several servers would otherwise hand them all the first one's directory).
-        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm-rsd-metrics-")
+        env["PROMETHEUS_MULTIPROC_DIR"] = new_metrics_dir()
     print("exec: " + shlex.join(argv), file=sys.stderr)
     sys.stdout.flush()
     os.execve(sys.executable, argv, env)
+
+
+METRICS_DIR_PREFIX = "vllm-rsd-metrics-"
+
+
+def new_metrics_dir() -> str:
+    """A metrics directory for the server this process is about to become, named for its host
+    and pid (the exec keeps the pid). Once the server exits nothing is left to remove it, so
+    the directories of this host's servers that have exited are removed here."""
+    import shutil
+
+    from vllm_retrieval_spec.datastore.journal import pid_alive, this_host
+
+    ours = f"{METRICS_DIR_PREFIX}{this_host()}-"      # the host's name has no "-"
+    for old in Path(tempfile.gettempdir()).glob(f"{ours}*-*"):
+        pid = old.name[len(ours):].split("-")[0]
+        if pid.isdigit() and not pid_alive(int(pid)) and old.stat().st_uid == os.getuid():
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{ours}{os.getpid()}-")
 
 
 def _has_option(argv: list[str], *names: str) -> bool:
