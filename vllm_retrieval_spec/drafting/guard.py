@@ -77,7 +77,7 @@ class DraftGuard:
     def checked(self, row: int, context: np.ndarray, max_len: int,
                 tree_row: bool) -> tuple[list[int], TreeDraft | None]:
         """Row ``row``'s draft tokens, and the tree when they form one (not a chain): only a
-        ``tree_row`` (a greedy request) gets a tree, the others its chain."""
+        ``tree_row`` (``verification.core.tree_eligible``) gets a tree, the others its chain."""
         start = time.perf_counter_ns()
         draft_row = self.draft
         if self.inject_faults and self._fault_rng.random() < self.inject_faults:

@@ -85,24 +85,25 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
     ``drafts_before_sampling``, hand it what each greedy request will sample (the argmax of its
     rows of the logits along its draft), so it drafts now rather than after sampling."""
     from vllm_retrieval_spec.patches.trees import tree_verifier
-    from vllm_retrieval_spec.verification.core import tree_eligible
+    from vllm_retrieval_spec.verification.core import takes_argmax, tree_eligible
 
     start = time.perf_counter_ns()
     capabilities = drafter.capabilities
     verifier = tree_verifier(runner)
     req_ids = list(runner.input_batch.req_ids)
-    wants_greedy = verifier is not None or capabilities.drafts_before_sampling
+    before_sampling = capabilities.drafts_before_sampling
     params = [runner.requests[r].sampling_params for r in req_ids] \
-        if wants_greedy or capabilities.served_store_keys else []
-    greedy = [tree_eligible(p) for p in params] if wants_greedy else None
+        if verifier is not None or before_sampling or capabilities.served_store_keys else []
+    greedy = [takes_argmax(p) for p in params] if before_sampling else None
     keys = None
     if capabilities.served_store_keys:
         from vllm_retrieval_spec.datastore.served import served_store_key
 
         keys = [served_store_key(p) for p in params]
-    drafter.observe_batch(req_ids, greedy if verifier is not None else None, keys)
+    drafter.observe_batch(req_ids, [tree_eligible(p) for p in params]
+                          if verifier is not None else None, keys)
     waited = 0
-    if capabilities.drafts_before_sampling and logits is not None and any(greedy):
+    if before_sampling and logits is not None and any(greedy):
         from vllm_retrieval_spec.drafting.overlap import row_argmax, sampled_before_sampling
 
         waited = _wait_for_forward(logits.device)

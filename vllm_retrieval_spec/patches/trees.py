@@ -58,6 +58,19 @@ def with_tree_verifier(initialize_kv_cache: Callable) -> Callable:
 _trees_in_flight: Any = None
 
 
+def tree_samples(requests: dict[str, Any], trees: dict[str, Any]) -> dict[str, bool]:
+    """For each request with a tree draft that may be verified as one: whether it samples."""
+    from vllm_retrieval_spec.verification.core import takes_argmax, tree_eligible
+
+    samples = {}
+    for req_id in trees:
+        state = requests.get(req_id)
+        params = state.sampling_params if state is not None else None
+        if tree_eligible(params):
+            samples[req_id] = not takes_argmax(params)
+    return samples
+
+
 def with_tree_positions(prepare_inputs: Callable) -> Callable:
     @functools.wraps(prepare_inputs)
     def wrapper(self, scheduler_output, num_scheduled_tokens):
@@ -68,7 +81,8 @@ def with_tree_positions(prepare_inputs: Callable) -> Callable:
             verifier.begin_step(self.drafter.trees, list(self.input_batch.req_ids),
                                 scheduler_output.scheduled_spec_decode_tokens,
                                 num_scheduled_tokens, self.input_batch.num_computed_tokens_cpu,
-                                self.positions, scheduler_output.total_num_scheduled_tokens)
+                                self.positions, scheduler_output.total_num_scheduled_tokens,
+                                tree_samples(self.requests, self.drafter.trees))
             _trees_in_flight = verifier if verifier.step is not None else None
         return result
 
@@ -95,8 +109,12 @@ def with_tree_acceptance(sample: Callable) -> Callable:
         verifier = self.__dict__.get("_rsd_tree_verifier")
         if verifier is None or verifier.step is None or spec_decode_metadata is None:
             return sample(self, logits, spec_decode_metadata)
+        from vllm_retrieval_spec.verification.core import NodeSampler
+
         walks = verifier.walk(logits, spec_decode_metadata.num_draft_tokens,
-                              spec_decode_metadata.draft_token_ids)
+                              spec_decode_metadata.draft_token_ids,
+                              NodeSampler(self.input_batch.sampling_metadata,
+                                          self.sampler.topk_topp_sampler))
         output = sample(self, logits, spec_decode_metadata)
         verifier.accept(walks, output.sampled_token_ids)
         _trees_in_flight = None

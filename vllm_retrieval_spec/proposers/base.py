@@ -125,7 +125,7 @@ class RetrievalProposer(Drafter):
         return drafting_off(running, self.config.drafting.disable_by_batch_size)
 
     def _tree_row(self, row: int) -> bool:
-        # Only greedy requests are verified as trees: the others get the tree's chain.
+        # Only ``tree_eligible`` requests are verified as trees: the others get its chain.
         return row < len(self.tree_rows) and self.tree_rows[row]
 
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None,

@@ -14,17 +14,23 @@ request's last sampled token). ``plugin.py`` wires the four changes a tree needs
    each node the previous one's child: its earlier nodes are its ancestors); the rows after it
    are attended again, to the context and to their own ancestors only, and overwrite the
    kernel's rows. The root's row is causal and stays.
-3. ``accept`` (after vLLM's rejection sampler): the target's argmax at the root and at every
-   node gives the longest root path whose tokens the target would have produced itself, plus
-   the bonus token. It replaces the request's row of sampled tokens, so vLLM's scheduler counts
-   ``len(path)`` accepted and the rest rejected, exactly as for a chain of that length.
+3. ``accept`` (after vLLM's rejection sampler): the target's token at the root and at every
+   node (its argmax, or a sample: below) gives the longest root path whose tokens the target
+   produced itself, plus the bonus token. It replaces the request's row of sampled tokens, so
+   vLLM's scheduler counts ``len(path)`` accepted and the rest rejected, exactly as for a chain
+   of that length.
 4. Still in ``accept``: the path's KV entries are copied to the slots right after the root,
    where plain decoding would have written them; the rejected nodes' slots are the
    "rejected tail" vLLM overwrites next step.
 
-Only greedy requests without anything that changes the argmax get trees (``tree_eligible``):
-with drafts that carry no probabilities, greedy acceptance is exactly "the target's argmax",
-and every other request keeps vLLM's own chain verification and rejection sampling.
+Which requests get trees (``tree_eligible``): greedy ones without anything that changes the
+argmax, where acceptance of drafts that carry no probabilities is exactly "the target's
+argmax"; and sampled ones shaped by temperature, top-k and top-p alone, where a token is drawn
+from the target's distribution at the root and at every node (``NodeSampler``, vLLM's own
+sampler) and the walk follows the draws: every token of the output is one draw from the
+target's distribution after the tokens before it, as in plain sampling, and the tree only
+decides how many draws one forward yields. Every other request keeps vLLM's own chain
+verification and rejection sampling.
 """
 
 from __future__ import annotations
@@ -223,16 +229,60 @@ def refuse_unsupported_trees(runner: Any,
                           f"KV-cache groups (layers whose caches differ in layout); {fix}")
 
 
-def tree_eligible(sampling_params: Any) -> bool:
+#: Below this temperature vLLM takes the argmax (its sampler's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _plain_logits(p: Any) -> bool:
+    """Nothing (penalties, biases, masks, grammars, logprobs) applied to the logits before
+    temperature, top-k and top-p."""
+    return (p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
+            and p.repetition_penalty == 1.0 and p.min_tokens == 0 and not p.logit_bias
+            and not p.allowed_token_ids and not p.bad_words and p.structured_outputs is None
+            and p.thinking_token_budget is None)
+
+
+def takes_argmax(sampling_params: Any) -> bool:
     """Whether a request's output is the target's plain argmax at every position: greedy, and
-    nothing (penalties, biases, masks, grammars, logprobs) applied to the logits first."""
+    nothing applied to the logits first."""
     p = sampling_params
-    if p is None:
-        return False
-    return (p.temperature < 1e-5 and p.logprobs is None and p.presence_penalty == 0
-            and p.frequency_penalty == 0 and p.repetition_penalty == 1.0 and p.min_tokens == 0
-            and not p.logit_bias and not p.allowed_token_ids and not p.bad_words
-            and p.structured_outputs is None and p.thinking_token_budget is None)
+    return p is not None and p.temperature < GREEDY_TEMPERATURE and _plain_logits(p)
+
+
+def tree_eligible(sampling_params: Any) -> bool:
+    """Whether a request's drafts may be verified as trees: it takes the argmax, or it samples
+    from the target's distribution shaped by temperature, top-k and top-p alone (no min-p:
+    vLLM's sampler applies that to the whole batch, not to a tree's nodes)."""
+    p = sampling_params
+    return p is not None and _plain_logits(p) and (
+        p.temperature < GREEDY_TEMPERATURE or p.min_p == 0)
+
+
+class NodeSampler:
+    """The target's token at the root and nodes of sampled requests' trees, drawn as vLLM
+    draws a chain's: the logits in float32 over the request's temperature, then its top-k and
+    top-p, and a token drawn by the runner's own top-k/top-p sampler, with the request's
+    generator where it has a seed (draws at nodes off the accepted path are thrown away)."""
+
+    def __init__(self, sampling_metadata: Any, topk_topp_sampler: Callable) -> None:
+        #: vLLM's ``SamplingMetadata`` of the step: per batch row ``temperature``, ``top_k``
+        #: and ``top_p`` (None where no request uses them), ``generators``.
+        self.metadata = sampling_metadata
+        self.topk_topp_sampler = topk_topp_sampler
+
+    def __call__(self, logits: Any, batch_rows: np.ndarray) -> Any:
+        """One token per row of ``logits``; ``batch_rows``: each row's request."""
+        import torch
+
+        m = self.metadata
+        rows = torch.from_numpy(batch_rows).to(logits.device)
+        scaled = logits.to(torch.float32) / m.temperature[rows].unsqueeze(1)
+        generators = {i: m.generators[r] for i, r in enumerate(batch_rows.tolist())
+                      if r in m.generators}
+        tokens, _ = self.topk_topp_sampler(scaled, generators,
+                                           None if m.top_k is None else m.top_k[rows],
+                                           None if m.top_p is None else m.top_p[rows])
+        return tokens
 
 
 @dataclass
@@ -245,6 +295,8 @@ class TreeRow:
     query_start: int         # the root's row in this step's flattened tokens
     #: Nodes before this one are the leading chain; only the later rows are attended again.
     first_branch: int
+    #: The request samples (``NodeSampler`` draws the target's tokens), not the argmax.
+    sampled: bool = False
     #: vLLM-CPU's: tree_ancestor_mask(parents)'s rows from ``first_branch`` on, for every layer
     #: of the step.
     mask: Any = None
@@ -291,8 +343,11 @@ class TreeVerifier:
 
     def begin_step(self, drafter_trees: dict[str, Any], req_ids: list[str],
                    scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
-                   num_computed: np.ndarray, positions: Any, num_tokens: int) -> None:
-        """Find this step's tree rows and give their nodes depth positions."""
+                   num_computed: np.ndarray, positions: Any, num_tokens: int,
+                   samples: dict[str, bool]) -> None:
+        """Find this step's tree rows and give their nodes depth positions. ``samples``: for
+        each request of ``drafter_trees`` that is ``tree_eligible``, whether it samples (False:
+        it takes the argmax); the trees of the others are verified as chains."""
         self.step = None
         self.last_nodes = {}
         rows = []
@@ -307,12 +362,12 @@ class TreeVerifier:
             # The scheduler may cut a draft short; any prefix of a topological order is a tree.
             # Tokens that are not the tree's (a draft from another step) are verified as the
             # chain vLLM takes them for: any token sequence verifies losslessly as a chain.
-            if tree is not None and n and decoding:
+            if tree is not None and n and decoding and req_id in samples:
                 parents = np.asarray(tree.parents[:n], dtype=np.int64)
                 first_branch = leading_chain_len(parents)
                 if first_branch < n and np.array_equal(tree.tokens[:n], draft):
                     rows.append(TreeRow(i, parents, np.asarray(draft), int(num_computed[i]),
-                                        query_start, first_branch))
+                                        query_start, first_branch, samples[req_id]))
             query_start += int(num_scheduled[i])
         if not rows:
             return
@@ -339,10 +394,12 @@ class TreeVerifier:
         self.paged.attend(step, query, key, value, kv_cache, attn_metadata.block_table, output,
                           impl.scale)
 
-    def walk(self, logits: Any, num_draft_tokens: list[int],
-             draft_token_ids: Any) -> list[tuple[TreeRow, list[int], list[int]]]:
+    def walk(self, logits: Any, num_draft_tokens: list[int], draft_token_ids: Any,
+             sample_nodes: Callable[[Any, np.ndarray], Any] | None = None,
+             ) -> list[tuple[TreeRow, list[int], list[int]]]:
         """Each tree row's sampled tokens (accepted path, then the bonus token) and path (node
-        indices), from the target's argmax.
+        indices), from the target's argmax, or for a ``sampled`` row from ``sample_nodes``
+        (a ``NodeSampler``: the logits rows of its root and nodes, and their batch rows).
 
         ``logits`` has ``num_draft_tokens[i] + 1`` rows per request, in batch order (vLLM's
         logits for a speculative step); ``draft_token_ids`` is every request's draft,
@@ -377,9 +434,23 @@ class TreeVerifier:
             index[b, 2] = offset + np.minimum(np.arange(nodes + 1), n)
             index[b, 3] = draft_starts[tree.row] + np.minimum(np.arange(nodes + 1), n - 1)
             offset += n + 1
-        device = torch.from_numpy(np.concatenate([flat, index.ravel()])).to(logits.device)
-        index = device[len(flat):].view(index.shape)
-        targets = logits[device[:len(flat)]].argmax(dim=-1)[index[:, 2]]
+        # Then the rows of ``flat`` that are sampled trees' roots and nodes.
+        sampled = [b for b, tree in enumerate(rows) if tree.sampled]
+        if sampled and sample_nodes is None:
+            raise RuntimeError("a step with trees of sampled requests has no node sampler")
+        sampled_at = np.concatenate([index[b, 2, :len(rows[b].parents) + 1] for b in sampled]
+                                    + [index[:0, 0, 0]])
+        device = torch.from_numpy(np.concatenate([flat, index.ravel(), sampled_at])).to(
+            logits.device)
+        step_logits = logits[device[:len(flat)]]
+        targets = step_logits.argmax(dim=-1)
+        if sampled:
+            at = device[len(flat) + index.size:]
+            batch_rows = np.concatenate([np.full(len(rows[b].parents) + 1, rows[b].row)
+                                         for b in sampled])
+            targets[at] = sample_nodes(step_logits[at], batch_rows).to(targets.dtype)
+        index = device[len(flat):len(flat) + index.size].view(index.shape)
+        targets = targets[index[:, 2]]
         tokens = draft_token_ids.to(logits.device)[index[:, 3, :nodes]].to(targets.dtype)
         # The walk on the logits' device, and one copy to the host for every tree.
         last, bonus = batched_greedy_walk(index[:, 0, :nodes], index[:, 1, :nodes], tokens,
