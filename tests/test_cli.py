@@ -193,10 +193,18 @@ def test_bench_unknown_method_is_an_error_not_a_traceback(tmp_path):
         cli.main(["bench", "--model", str(model), "--methods", "ngram,nope"])
 
 
+@pytest.mark.parametrize("sampling", [["--top-p", "0.9"], ["--top-k", "5"]])
+def test_bench_sampling_options_need_a_temperature(tmp_path, sampling):
+    with pytest.raises(SystemExit, match="error: --top-p and --top-k need --temperature above 0"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "plain", *sampling])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--prompts", "0"], "argument --prompts: must be 1 or more, got 0"),
     (["bench", "-k", "-2"], "argument -k: must be 1 or more, got -2"),
     (["bench", "--prompt-offset", "-1"], "argument --prompt-offset: must be 0 or more, got -1"),
+    (["bench", "--top-p", "0"], "argument --top-p: must be above 0 and at most 1, got 0"),
+    (["bench", "--top-p", "1.5"], "argument --top-p: must be above 0 and at most 1, got 1.5"),
     (["build-datastore", "x", "-o", "y", "--batch-size", "0"],
      "argument --batch-size: must be 1 or more, got 0"),
     (["generate-corpus", "-o", "x", "--max-tokens", "many"],

@@ -22,7 +22,7 @@ def test_interleaved_turns_give_every_engine_every_batch_once_in_rotating_order(
 
 def test_rows_are_compared_with_plain_of_the_same_task_even_when_a_method_repeats():
     def row(method, tokens_per_s):
-        return {"method": method, "tokens_per_s": tokens_per_s}
+        return {"method": method, "tokens_per_s": tokens_per_s, "temperature": 0.0}
 
     plain = {"chat": (row("plain", 10.0), [[1, 2]]), "code-gen": (row("plain", 20.0), [[3]])}
     rest_a = {"chat": (row("rest", 25.0), [[1, 2]]), "code-gen": (row("rest", 30.0), [[4]])}
@@ -118,7 +118,8 @@ def test_halves_split_the_prompts_and_compare_each_with_plain_of_the_same_half()
                                       "tokens_per_forward": 4.0}
 
     def row(method, by_half):
-        return {"task": "chat", "method": method, "tokens_per_s": 10.0, **by_half}
+        return {"task": "chat", "method": method, "tokens_per_s": 10.0, "temperature": 0.0,
+                **by_half}
 
     rows = compared_with_plain([{"chat": (row("plain", plain), [[1]])},
                                 {"chat": (row("hybrid", learner), [[1]])}])
@@ -321,18 +322,52 @@ def test_the_warm_up_is_greedy_like_every_timed_request(monkeypatch):
 
     from vllm_retrieval_spec.bench.engine import MethodEngine
     from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun
-    from vllm_retrieval_spec.verification.core import tree_eligible
+    from vllm_retrieval_spec.verification.core import takes_argmax
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     engine = MethodEngine("model", MethodRun("plain"), BenchSettings(), [1, 2, 3],
                           tqdm(disable=True))
     engine.start_task("chat")
-    engine.generate([[1, 2, 3]])
-    warm_up, timed = engine.llm.calls
+    engine.generate([[1, 2, 3]], 0)
+    warm_up, (timed,) = engine.llm.calls
     # Before: the warm-up sampled at vLLM's default temperature 1.0, so vLLM's greedy sampling
-    # and our greedy-only paths (trees, drafting before sampling) first ran in a timed request.
-    assert tree_eligible(timed) and tree_eligible(warm_up)
+    # and our greedy-only paths (drafting before sampling) first ran in a timed request.
+    assert takes_argmax(timed) and takes_argmax(warm_up)
     assert warm_up.max_tokens == 8
+
+
+def test_a_sampled_run_seeds_each_prompt_by_its_index_for_every_method(monkeypatch):
+    """Every engine samples a task's prompt i with seed i (its warm-up sampled too), and a
+    sampled row records its sampling and compares no outputs with plain's."""
+    import vllm
+    from tqdm import tqdm
+
+    from vllm_retrieval_spec.bench import throughput
+
+    engines = []
+
+    class RecordingLLM(FakeLLM):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)
+            engines.append(self)
+
+        def collective_rpc(self, name, kwargs=None):
+            return [dict.fromkeys(["p50_ms", "p99_ms", "critical_p50_ms", "critical_p99_ms"])]
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    runs = [throughput.MethodRun("plain"), throughput.MethodRun("pld", {"method": "pld"})]
+    settings = throughput.BenchSettings(temperature=0.7, top_p=0.9, top_k=20, concurrency=2)
+    results = throughput._run_engines("model", runs, {"a": [[1], [2], [3]]}, [9], settings,
+                                      tqdm(disable=True), [[0, 1]])
+    for engine in engines:
+        warm_up, *timed = engine.calls
+        assert (warm_up.temperature, warm_up.top_p, warm_up.top_k) == (0.7, 0.9, 20)
+        assert [(p.seed, p.temperature, p.top_p, p.top_k, p.max_tokens)
+                for batch in timed for p in batch] == [(i, 0.7, 0.9, 20, 128) for i in range(3)]
+    rows = compared_with_plain([{task: (row, outputs) for task, (row, outputs) in r.items()}
+                                for r in results])
+    assert [(r["temperature"], r["top_p"], r["top_k"], r["outputs_equal_plain"])
+            for r in rows] == [(0.7, 0.9, 20, None)] * 2
 
 
 def test_engines_warm_up_on_no_timed_prompt(monkeypatch):

@@ -91,6 +91,14 @@ def float_at_least(low: float) -> Callable[[str], float]:
     return parse
 
 
+def probability(text: str) -> float:
+    """An argparse type: a number above 0 and at most 1."""
+    value = float_at_least(0.0)(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
+    return value
+
+
 def ints_at_least(low: int) -> Callable[[str], list[int]]:
     """An argparse type: comma-separated integers, each ``>= low``."""
     one = int_at_least(low)
@@ -455,6 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"per task (default: {TASK_PROMPTS} of a task, all of a prompts file)")
     p.add_argument("--prompt-offset", type=int_at_least(0), default=0)
     p.add_argument("--max-tokens", type=int_at_least(1), default=128)
+    p.add_argument("--temperature", type=float_at_least(0.0), default=0.0,
+                   help="0: greedy, every output checked against plain decoding's; above 0 "
+                        "each prompt is sampled with its index in the task as its seed, and "
+                        "outputs are not compared")
+    p.add_argument("--top-p", type=probability, default=1.0, help="with --temperature")
+    p.add_argument("--top-k", type=int_at_least(0), default=0,
+                   help="with --temperature (0: off)")
     p.add_argument("--concurrency", type=int_at_least(1), default=1,
                    help="requests submitted together (default: one at a time)")
     p.add_argument("--sequential", action="store_true",

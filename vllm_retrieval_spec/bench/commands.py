@@ -31,8 +31,11 @@ def bench_command(args: argparse.Namespace) -> None:
         # A missing or unfinished datastore would fail its rows only once the engines before
         # them had started (minutes); its manifest and sizes are checked in milliseconds.
         load_datastore(directory, verify_checksums=False)
+    if args.temperature == 0 and (args.top_p != 1.0 or args.top_k):
+        raise SystemExit("error: --top-p and --top-k need --temperature above 0")
     settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
-                             concurrency=args.concurrency, interleave=not args.sequential)
+                             concurrency=args.concurrency, interleave=not args.sequential,
+                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     try:
         runs = method_runs(args.methods.split(","), args.k, datastores,
                            method_options(args.method_options))

@@ -81,7 +81,7 @@ class MethodEngine:
     def __init__(self, model: str, run: MethodRun, settings: BenchSettings,
                  warmup_prompt: list[int], progress: Any):
         import torch
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         progress.set_postfix_str(f"starting {run.label}")
         self.run = run
@@ -105,17 +105,26 @@ class MethodEngine:
             #: Drafts of at most this many tokens (vLLM fills it in for ``suffix``).
             self.num_speculative_tokens = (speculative.num_speculative_tokens if speculative
                                            else None)
-            self.greedy = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
             self.forwards = ForwardCounter(self.llm)
-            # Warm up (numba, allocator, first-step paths) outside the timed region. Greedy, as
-            # the timed requests are: vLLM samples them otherwise, and trees and drafting
-            # before sampling are for greedy requests alone.
+            # Warm up (numba, allocator, first-step paths) outside the timed region, sampled as
+            # the timed requests are: greedy and sampled requests take different paths (vLLM's
+            # sampler, drafting before sampling), and vLLM samples at temperature 1 unless told.
             self.llm.generate([{"prompt_token_ids": warmup_prompt}],
-                              SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+                              self.sampling_params(seed=0, max_tokens=8), use_tqdm=False)
         except BaseException:
             # The engine started: its processes would outlive a run that goes on without it.
             self.close()
             raise
+
+    def sampling_params(self, seed: int, max_tokens: int | None = None) -> Any:
+        from vllm import SamplingParams
+
+        s = self.settings
+        max_tokens = max_tokens or s.max_tokens
+        if s.temperature == 0:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              seed=seed, max_tokens=max_tokens)
 
     def start_task(self, task: str) -> None:
         self.task = task
@@ -127,11 +136,13 @@ class MethodEngine:
         if self.speculative:
             self.llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
 
-    def generate(self, batch: list[list[int]]) -> None:
+    def generate(self, batch: list[list[int]], first: int) -> None:
+        """``batch``: the task's prompts from index ``first`` on (a sampled one's seed)."""
         self.progress.set_postfix_str(f"{self.run.label} on {self.task}")
+        params = [self.sampling_params(first + j) for j in range(len(batch))]
         forwards = self.forwards.count
         start = time.perf_counter()
-        result = self.llm.generate([{"prompt_token_ids": p} for p in batch], self.greedy,
+        result = self.llm.generate([{"prompt_token_ids": p} for p in batch], params,
                                    use_tqdm=False)
         elapsed = time.perf_counter() - start
         self.batches.append((len(batch), sum(len(r.outputs[0].token_ids) for r in result),

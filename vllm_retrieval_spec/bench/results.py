@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[int]]]]]
                         ) -> list[dict[str, Any]]:
     """Every run's rows (task -> (row, outputs), plain's first, as ``method_runs`` orders them)
-    with ``speedup`` and ``outputs_equal_plain`` against plain's row of the same task."""
+    with ``speedup`` and ``outputs_equal_plain`` against plain's row of the same task (None
+    where sampled: samples are not plain's outputs)."""
     rows = []
     for by_task in results:
         for task, (row, outputs) in by_task.items():
@@ -28,7 +29,8 @@ def compared_with_plain(results: list[dict[str, tuple[dict[str, Any], list[list[
                 continue
             plain_row, plain_outputs = results[0][task]
             row = {**row, "speedup": round(row["tokens_per_s"] / plain_row["tokens_per_s"], 3),
-                   "outputs_equal_plain": outputs == plain_outputs}
+                   "outputs_equal_plain": outputs == plain_outputs
+                   if row["temperature"] == 0 else None}
             for half in HALVES:
                 if half in row:
                     row[half] = {**row[half], "speedup": round(
@@ -90,7 +92,8 @@ def task_row(run: MethodRun, num_speculative_tokens: int | None, task: str,
         "datastore": run.datastore,
         "prompts": len(outputs),
         "max_tokens": settings.max_tokens,
-        "temperature": 0.0,
+        "temperature": settings.temperature,
+        **({"top_p": settings.top_p, "top_k": settings.top_k} if settings.temperature else {}),
         "concurrency": settings.concurrency,
         "output_tokens": output_tokens,
         "tokens_per_s": round(output_tokens / elapsed, 3),
@@ -213,7 +216,7 @@ def write_plot(results: dict[str, Any], path: Path) -> Figure:
                     continue
                 ax.bar(i + (j - (len(labels) - 1) / 2) * width, row[metric], width,
                        color=f"C{j}",
-                       hatch=None if row.get("outputs_equal_plain", True) else "//")
+                       hatch="//" if row.get("outputs_equal_plain") is False else None)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(tasks)), tasks)
         ax.set_ylabel(name)

@@ -86,6 +86,11 @@ class BenchSettings:
     #: one engine after another, which needs one engine's memory (~3 GB) instead of all.
     interleave: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Sampling of every request: greedy at 0, else seeded by the prompt's index in its task,
+    #: alike for every method (their outputs still differ once drafts are verified).
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 def method_runs(specs: list[str], k: int, datastores: dict[str, str],
@@ -269,7 +274,7 @@ def _run_engines(model: str, runs: list[MethodRun], prompts: dict[str, list[list
                     if group[j] in engines:
                         attempt(group[j], functools.partial(
                             engines[group[j]].generate,
-                            task_prompts[start:start + settings.concurrency]))
+                            task_prompts[start:start + settings.concurrency], start))
                 for e in group:
                     done = attempt(e, engines[e].finish_task) if e in engines else None
                     results[e][task] = done or (failed_row(runs[e], task, failures[e]), None)
