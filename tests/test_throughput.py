@@ -336,13 +336,10 @@ def test_the_warm_up_is_greedy_like_every_timed_request(monkeypatch):
     assert warm_up.max_tokens == 8
 
 
-def test_a_sampled_run_seeds_each_prompt_by_its_index_for_every_method(monkeypatch):
-    """Every engine samples a task's prompt i with seed i (its warm-up sampled too), and a
-    sampled row records its sampling and compares no outputs with plain's."""
+@pytest.fixture
+def recording_engines(monkeypatch):
+    """The FakeLLMs ``vllm.LLM`` makes from now on, in order."""
     import vllm
-    from tqdm import tqdm
-
-    from vllm_retrieval_spec.bench import throughput
 
     engines = []
 
@@ -355,46 +352,43 @@ def test_a_sampled_run_seeds_each_prompt_by_its_index_for_every_method(monkeypat
             return [dict.fromkeys(["p50_ms", "p99_ms", "critical_p50_ms", "critical_p99_ms"])]
 
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    return engines
+
+
+def test_a_sampled_run_seeds_each_prompt_by_its_index_for_every_method(recording_engines):
+    """Every engine samples a task's prompt i with seed i (its warm-up sampled too), and a
+    sampled row records its sampling and compares no outputs with plain's."""
+    from tqdm import tqdm
+
+    from vllm_retrieval_spec.bench import throughput
+
     runs = [throughput.MethodRun("plain"), throughput.MethodRun("pld", {"method": "pld"})]
     settings = throughput.BenchSettings(temperature=0.7, top_p=0.9, top_k=20, concurrency=2)
     results = throughput._run_engines("model", runs, {"a": [[1], [2], [3]]}, [9], settings,
                                       tqdm(disable=True), [[0, 1]])
-    for engine in engines:
+    for engine in recording_engines:
         warm_up, *timed = engine.calls
         assert (warm_up.temperature, warm_up.top_p, warm_up.top_k) == (0.7, 0.9, 20)
         assert [(p.seed, p.temperature, p.top_p, p.top_k, p.max_tokens)
                 for batch in timed for p in batch] == [(i, 0.7, 0.9, 20, 128) for i in range(3)]
-    rows = compared_with_plain([{task: (row, outputs) for task, (row, outputs) in r.items()}
-                                for r in results])
+    rows = compared_with_plain(results)
     assert [(r["temperature"], r["top_p"], r["top_k"], r["outputs_equal_plain"])
             for r in rows] == [(0.7, 0.9, 20, None)] * 2
 
 
-def test_engines_warm_up_on_no_timed_prompt(monkeypatch):
+def test_engines_warm_up_on_no_timed_prompt(recording_engines):
     """suffix and hybrid keep what they serve: warmed up on the first timed prompt, they knew
     8 tokens of its output before it was timed (before: ``prompts``' first prompt)."""
-    import vllm
     from tqdm import tqdm
 
     from vllm_retrieval_spec.bench import throughput
 
-    engines = []
-
-    class RecordingLLM(FakeLLM):
-        def __init__(self, model, **kwargs):
-            super().__init__(model, **kwargs)
-            engines.append(self)
-
-        def collective_rpc(self, name, kwargs=None):
-            return [dict.fromkeys(["p50_ms", "p99_ms", "critical_p50_ms", "critical_p99_ms"])]
-
-    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
     prompts = {"a": [[1, 2], [3]], "b": [[4]]}
     runs = [throughput.MethodRun("plain"), throughput.MethodRun("hybrid", {"method": "hybrid"})]
     results = throughput._run_engines("model", runs, prompts, [9, 9],
                                       throughput.BenchSettings(), tqdm(disable=True), [[0, 1]])
     assert [row.get("error") for rows in results for row, _ in rows.values()] == [None] * 4
-    for engine in engines:
+    for engine in recording_engines:
         assert engine.prompts[0] == [9, 9]
         assert sorted(engine.prompts[1:]) == [[1, 2], [3], [4]]
 
