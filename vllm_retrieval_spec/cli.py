@@ -313,14 +313,15 @@ def new_metrics_dir() -> str:
     the directories of this host's servers that have exited are removed here."""
     import shutil
 
-    from vllm_retrieval_spec.datastore.journal import pid_alive, this_host
+    from vllm_retrieval_spec.datastore.journal import dead_here, this_host
 
-    ours = f"{METRICS_DIR_PREFIX}{this_host()}-"      # the host's name has no "-"
-    for old in Path(tempfile.gettempdir()).glob(f"{ours}*-*"):
-        pid = old.name[len(ours):].split("-")[0]
-        if pid.isdigit() and not pid_alive(int(pid)) and old.stat().st_uid == os.getuid():
+    host = this_host()
+    # Named as a replica is, <host>-<pid>-<random> (mkdtemp's random part has no "-").
+    for old in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}{host}-*"):
+        if dead_here(old.name[len(METRICS_DIR_PREFIX):], host) \
+                and old.stat().st_uid == os.getuid():
             shutil.rmtree(old, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{ours}{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{host}-{os.getpid()}-")
 
 
 def _has_option(argv: list[str], *names: str) -> bool:

@@ -559,9 +559,13 @@ def stale_temporary(name: str, age_s: float, host: str) -> bool:
 def stale_segment(segment: Segment, age_s: float, host: str) -> bool:
     """Whether an unsealed segment's writer is gone: its pid is dead on this host, or it has
     been still for ``FOREIGN_SEGMENT_S``, past every heartbeat (another host's)."""
-    if age_s > FOREIGN_SEGMENT_S:
-        return True
-    parts = segment.replica.rsplit("-", 2)
+    return age_s > FOREIGN_SEGMENT_S or dead_here(segment.replica, host)
+
+
+def dead_here(replica: str, host: str) -> bool:
+    """Whether a ``new_replica_id`` name (``<host>-<pid>-<random>``) is ``host``'s and its pid
+    is dead."""
+    parts = replica.rsplit("-", 2)
     return len(parts) == 3 and parts[0] == host and parts[1].isdigit() \
         and not pid_alive(int(parts[1]))
 
