@@ -696,15 +696,14 @@ def capture_pieces(forward: Forward, pool: Any,
 
 @dataclass
 class StepCostRun:
-    """One model's step-cost loop's state: the section's result, the deadline, the CUDA graph
-    pool and the shapes whose forwards are still captured as graphs (``piecewise_shapes``: as
+    """One model's step-cost loop's state: the section's result, the deadline, and the
+    shapes whose forwards are still captured as graphs (``piecewise_shapes``: as
     vLLM's piecewise graphs, attention eager)."""
 
     plan: Plan
     result: dict[str, Any]
     deadline: float
     graph_shapes: set[str]
-    pool: Any = None
     piecewise_shapes: set[str] = field(default_factory=set)
     model_name: str = ""
 
@@ -737,7 +736,7 @@ class StepCostRun:
         if shape in self.piecewise_shapes:
             try:
                 timed, row["graph_vs_eager_max_abs"] = time_graph(
-                    forward, eager_logits, self.pool, plan.repeats, capture_pieces,
+                    forward, eager_logits, plan.repeats, capture_pieces,
                     lambda pieces: pieces.replay)
                 timing = "cuda-graph-piecewise"
             except Exception:
@@ -748,7 +747,7 @@ class StepCostRun:
                 log(self.result["graph_errors"][key])
         if shape in self.graph_shapes:
             try:
-                full, error = time_graph(forward, eager_logits, self.pool, plan.repeats)
+                full, error = time_graph(forward, eager_logits, plan.repeats)
                 if timing == "eager":
                     timed, timing = full, "cuda-graph"
                     row["graph_vs_eager_max_abs"] = error
@@ -773,8 +772,10 @@ def verify_forward(model: torch.nn.Module, caches: Caches, parents: list[int], b
     depth, as the tree verifier sets it."""
     step = Step.make(caches, slice(0, batch), context, 1 + len(parents), parents, device)
     depths = torch.tensor([0, *node_depths(parents)], device=device)
-    return Forward(model, torch.randint(model.config.vocab_size, (batch, 1 + len(parents)),
-                                        device=device),
+    # Drawn on the host: a capture that fails part way can leave the device's generator
+    # unusable, and every later configuration would fail with it.
+    return Forward(model, torch.randint(model.config.vocab_size,
+                                        (batch, 1 + len(parents))).to(device),
                    (context + depths).expand(batch, -1).contiguous(), step)
 
 
@@ -795,14 +796,16 @@ def tree_rows(forward: Forward, plan: Plan) -> dict[str, Any]:
     return fields
 
 
-def time_graph(forward: Forward, eager_logits: torch.Tensor, pool: Any, repeats: int,
+def time_graph(forward: Forward, eager_logits: torch.Tensor, repeats: int,
                capture: Callable[[Forward, Any], tuple[Any, torch.Tensor]] | None = None,
                replayer: Callable[[Any], Callable[[], None]] = lambda graph: graph.replay,
                ) -> tuple[list[float], float]:
     """Replay times of the forward captured as a CUDA graph (by ``capture``, by default whole),
     and how far its logits are from the eager forward's (the same kernels on the same inputs:
-    about 0)."""
-    graph, logits = (capture or capture_whole)(forward, pool)
+    about 0). Each capture takes a pool of its own: a pool handle reused after the graphs
+    that held it were freed fails torch's allocator assertion (``use_count > 0``), and the
+    failed capture leaves the CUDA generator in capture mode (H200, torch 2.11)."""
+    graph, logits = (capture or capture_whole)(forward, torch.cuda.graph_pool_handle())
     replay = replayer(graph)
     replay()
     err = float((logits.float() - eager_logits.float()).abs().max())
@@ -832,13 +835,12 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
         models={m.name: asdict(m) for m in plan.models}, dtype=str(plan.dtype),
         block_size=BLOCK_SIZE, blocks=[], truncated=False, errors=[], graph_errors={},
         sdpa_flash={m.name: sdpa_flash(m, plan) for m in plan.models})
-    pool = torch.cuda.graph_pool_handle() if plan.cuda else None
     with torch.inference_mode():
         for shape in plan.models:
             # Each model starts with graphs: one that failed to capture for another does not
             # make this one's curves eager.
             run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
-                              pool, {"tree"} if plan.cuda else set(), shape.name)
+                              {"tree"} if plan.cuda else set(), shape.name)
             try:
                 finished = measure_model(run, shape, save)
             except Exception:
