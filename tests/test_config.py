@@ -65,7 +65,7 @@ def test_platform_supplies_the_defaults_the_user_leaves_out(method):
     assert (cpu.drafting.min_draft_len, cpu.drafting.disable_by_batch_size,
             cpu.drafting.draft_token_cost) == (3, 6, 0.055)
     assert (gpu.drafting.min_draft_len, gpu.drafting.disable_by_batch_size,
-            gpu.drafting.draft_token_cost) == (1, 0, 0.01)
+            gpu.drafting.draft_token_cost) == (1, 0, 0.0068)
     if method == "pld_plus":
         assert (cpu.min_similarity, gpu.min_similarity) == (0.7, 0.0)
     # What the user sets wins, on every platform; the worker gets back exactly this config.

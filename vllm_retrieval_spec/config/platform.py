@@ -64,20 +64,22 @@ VLLM_CPU_DEFAULTS = PlatformDefaults(
     name="vllm-cpu", draft_budget_ms=5.0, draft_token_cost=0.055, disable_by_batch_size=6,
     min_draft_len=3, min_similarity=0.7, precompute_drafts=False, draft_before_sampling=True)
 
-#: For GPUs, where a forward is 3-20 ms and verifying 64 tokens costs little more than one (not
-#: measured by this project: no GPU with vLLM was available; run `vllm-rsd calibrate` there):
-#: - draft_budget_ms 1: a tenth of a fast 10 ms step.
-#: - draft_token_cost 0.01: DReSD's best greedy shape verifies 60 tokens a step on a 7 B model
-#:   (arXiv 2502.15572, section 5.4) and REST verifies 64-node trees (arXiv 2311.08252), which
-#:   pays only if a draft token costs about 1% of a forward or less.
+#: For GPUs. The first three are what `vllm-rsd calibrate`'s rules make of a measured chain
+#: curve: an 8B Llama-3-shaped model (random weights, bf16) verifying 0-16 draft tokens at batch
+#: 1 against a 512-token context on an H200, CUDA graphs as vLLM replays them
+#: (benchmarks/results/gpu-check-h200.json; a rerun's chain curve was within 0.5%). A smaller
+#: model's step is shorter: run `vllm-rsd calibrate` on the machine that serves.
+#: - draft_budget_ms 0.51: 7% of the 7.2 ms step without draft (the CPU's share).
+#: - draft_token_cost 0.0068: a draft token added 0.049 ms to that step (2-16 tokens).
+#: - min_draft_len 1: no draft length verified slower than that line (the CPU's 1-token penalty
+#:   came from vLLM-CPU's kernels).
 #: - disable_by_batch_size 0: vLLM's own default for its drafters (never off).
-#: - min_draft_len 1: the CPU's penalty on 1-token drafts comes from vLLM-CPU's kernels.
 #: - min_similarity 0.0: the PLD+ paper's best threshold on an A100 (its Table 7).
 #: - precompute_drafts on: the drafts are made while the host waits for the launched forward.
 #: - draft_before_sampling off: reading the logits' argmax on the host before sampling would
 #:   wait for the device there; the precomputed drafts already leave only a lookup.
 ACCELERATOR_DEFAULTS = PlatformDefaults(
-    name="accelerator", draft_budget_ms=1.0, draft_token_cost=0.01, disable_by_batch_size=0,
+    name="accelerator", draft_budget_ms=0.51, draft_token_cost=0.0068, disable_by_batch_size=0,
     min_draft_len=1, min_similarity=0.0, precompute_drafts=True, draft_before_sampling=False)
 
 
