@@ -17,6 +17,11 @@ here imports vLLM, and the product is reached only through ``vllm_retrieval_spec
   ``tree``: the same, then our paged kernel recomputing the tree rows after the leading chain,
   as the CUDA wrapper does. Timed as CUDA graphs as vLLM replays them (chains whole, trees
   piecewise with attention eager, the mode trees put vLLM in) and eagerly.
+- ``tree_profile``: where a tree step's time goes beyond a chain's of as many tokens: every
+  kernel's device time (torch.profiler) in one verify forward of each, the 8B model, batch 1,
+  the shortest context, the longest draft.
+
+``--sections`` runs some of them only (a rerun on a device spends its minutes where needed).
 
 Results go to one JSON file (``--out``, default ``$OUT/gpu-check.json``), rewritten after every
 section and every step-cost group so a run cut short keeps what it measured, with a markdown
@@ -74,6 +79,13 @@ PROJECTION_TOLERANCE = 2e-4
 #: GPU: the step-cost loop stops starting configurations after this many seconds of the run, so
 #: the whole command ends within 8 minutes (the results so far are written).
 TIME_LIMIT_S = 400.0
+#: The paged kernel's timing: calls per CUDA graph (an 8B model's layers), replays timed.
+CALLS_PER_GRAPH = 32
+GRAPH_REPLAYS = 20
+#: Forwards profiled per shape by ``tree_profile``; its times are per forward.
+PROFILE_FORWARDS = 5
+#: Kernels listed per shape by ``tree_profile``, the most time first.
+PROFILE_TOP = 15
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,10 @@ class Plan:
     kernel_contexts: tuple[int, ...]
     hidden_sizes: tuple[int, ...]
     paged_contexts: tuple[int, ...]
+    #: The paged kernel's context splits timed, per context and tree size (None: its default).
+    split_contexts: tuple[int, ...] = ()
+    split_nodes: tuple[int, ...] = ()
+    split_choices: tuple[int | None, ...] = ()
 
     @property
     def cuda(self) -> bool:
@@ -127,10 +143,13 @@ class Plan:
 GPU_PLAN = Plan(torch.device("cuda"), torch.bfloat16, (LLAMA_3_8B, SMOLLM2_135M),
                 (512, 2048, 8192), (1, 8), (0, 1, 2, 4, 8, 16, 32, 64), warmup=3, repeats=25,
                 attention_shape=(32, 8, 128), kernel_contexts=(512, 4096),
-                hidden_sizes=(576, 4096), paged_contexts=(8192, 512, 2048, 1001))
+                hidden_sizes=(576, 4096), paged_contexts=(8192, 512, 2048, 1001),
+                split_contexts=(512, 2048, 8192), split_nodes=(16, 64),
+                split_choices=(None, 1, 2, 4, 8, 16))
 TINY_PLAN = Plan(torch.device("cpu"), torch.float32, (TINY,), (32, 64), (1, 2), (0, 1, 2, 4),
                  warmup=1, repeats=2, attention_shape=(4, 2, 16), kernel_contexts=(40,),
-                 hidden_sizes=(96,), paged_contexts=(70, 16, 33, 1))
+                 hidden_sizes=(96,), paged_contexts=(70, 16, 33, 1), split_contexts=(70,),
+                 split_nodes=(4,), split_choices=(None, 1, 2))
 
 
 # --- Tree shapes ---------------------------------------------------------------------------
@@ -355,6 +374,12 @@ def paged_cases(plan: Plan) -> list[PagedCase]:
         # bfloat16's rounding (1/256) is far inside the tolerance.
         PagedCase("two trees, short contexts", ((verify_tree(64), 17), (retrieval_tree(33), 40)),
                   value_scale=0.25),
+        # One request's tree, as a batch-1 step verifies it, at each context split: the
+        # kernel's own choice against the others, in device time.
+        *(PagedCase(f"verify-{n} @{context}, splits {splits or 'default'}",
+                    ((verify_tree(n), context),), splits=splits)
+          for context in plan.split_contexts for n in plan.split_nodes
+          for splits in plan.split_choices),
     ]
 
 
@@ -404,14 +429,31 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
             "untouched_equal": bool(torch.equal(out[~computed], before[~computed]))}
         err = float((out[computed].float() - expected[computed].float()).abs().max())
         if plan.cuda:
-            fields["us"] = round(1e3 * statistics.median(times_ms(
-                lambda: paged_tree_attention(*args, output=out, splits=case.splits), 20, True)),
-                2)
+            try:
+                fields["us"] = device_us_per_call(
+                    lambda: paged_tree_attention(*args, output=out, splits=case.splits))
+            except Exception:
+                # The check stands without its time.
+                fields["us_error"] = traceback.format_exc()[-1500:]
+                log(fields["us_error"])
         row = check("paged_tree_attention", case.name, err, TOLERANCE[plan.dtype], **fields)
         row["ok"] = row["ok"] and fields["untouched_equal"]
         checks.append(row)
         save()
     result["ok"] = all(c["ok"] for c in checks)
+
+
+def device_us_per_call(call: Callable[[], object]) -> float:
+    """One call's device time: ``CALLS_PER_GRAPH`` calls in one CUDA graph, as a step's layers
+    queue them, so no host launch cost is in it (timed one call at a time, a kernel of 20 us
+    measured 100-300 us, the launches'), replayed ``GRAPH_REPLAYS`` times."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        for _ in range(CALLS_PER_GRAPH):
+            call()
+    graph.replay()
+    per_replay = statistics.median(times_ms(graph.replay, GRAPH_REPLAYS, True))
+    return round(1e3 * per_replay / CALLS_PER_GRAPH, 2)
 
 
 # --- Section: stream safety ----------------------------------------------------------------
@@ -929,6 +971,54 @@ def prefill(model: torch.nn.Module, caches: Caches, context: int, plan: Plan) ->
         torch.cuda.synchronize()
 
 
+# --- Section: where a tree step's time goes --------------------------------------------------
+
+
+def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
+    """Each kernel's device time in a chain's and a tree's verify forward of as many tokens
+    (eager: a CUDA graph replays the same kernels), the first model at batch 1, the shortest
+    context, the longest draft; on CPU (``--tiny``) each op's CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shape, context, n = plan.models[0], plan.contexts[0], max(plan.draft_lens)
+    result.update(model=shape.name, batch=1, context_tokens=context, draft_len=n,
+                  forwards=PROFILE_FORWARDS,
+                  unit="device us per forward" if plan.cuda else "CPU us per forward")
+    with torch.inference_mode():
+        model = build_model(shape, plan)
+        caches = Caches.allocate(shape, 1, context + 1 + n, plan)
+        prefill(model, caches, context, plan)
+        for kind in ("chain", "tree"):
+            forward = verify_forward(model, caches, chain(n) if kind == "chain"
+                                     else verify_tree(n), 1, context, plan.device)
+            for _ in range(plan.warmup):
+                forward()
+            activity = ProfilerActivity.CUDA if plan.cuda else ProfilerActivity.CPU
+            with profile(activities=[activity]) as prof:
+                for _ in range(PROFILE_FORWARDS):
+                    forward()
+                if plan.cuda:
+                    torch.cuda.synchronize()
+            result[kind] = kernel_times(prof.key_averages(), plan.cuda)
+            log(f"{kind}: {result[kind]['total_us']} us per forward; "
+                f"{result[kind]['kernels'][:3]}")
+    result["ok"] = True
+
+
+def kernel_times(events: Any, cuda: bool) -> dict[str, Any]:
+    """``key_averages()`` as the time per forward of each kernel (op on CPU), the most first."""
+    rows = []
+    for event in events:
+        total = (getattr(event, "self_device_time_total", 0) if cuda
+                 else event.self_cpu_time_total)
+        if total > 0:
+            rows.append({"name": event.key[:160],
+                         "us": round(total / PROFILE_FORWARDS, 1),
+                         "calls": round(event.count / PROFILE_FORWARDS, 1)})
+    rows.sort(key=lambda row: -row["us"])
+    return {"total_us": round(sum(row["us"] for row in rows), 1), "kernels": rows[:PROFILE_TOP]}
+
+
 # --- Summary, extraction, command line -----------------------------------------------------
 
 
@@ -949,6 +1039,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines += _check_lines(section["checks"])
         elif "blocks" in section:
             lines += _step_cost_lines(section)
+        elif "tree" in section and "chain" in section:
+            lines += _profile_lines(section)
         elif section:
             lines += ["```", json.dumps(section, indent=1)[:3000], "```", ""]
     return "\n".join(lines) + "\n"
@@ -979,6 +1071,16 @@ def _step_cost_lines(section: dict[str, Any]) -> list[str]:
             lines.append(f"| {n} | " + " | ".join(str(table.get((context, n, shape), ""))
                                                   for context, shape in columns) + " |")
         lines.append("")
+    return lines
+
+
+def _profile_lines(section: dict[str, Any]) -> list[str]:
+    lines = [f"{section['model']}, batch 1, {section['context_tokens']}-token context, "
+             f"{section['draft_len']} draft tokens; {section['unit']}.", ""]
+    for kind in ("chain", "tree"):
+        lines += [f"{kind}: {section[kind]['total_us']} us in all", "", "| kernel | us | calls |",
+                  "|---|---|---|", *(f"| `{k['name'][:90]}` | {k['us']} | {k['calls']} |"
+                                     for k in section[kind]["kernels"]), ""]
     return lines
 
 
@@ -1027,6 +1129,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write one curve of --results as a replay --verify-cost file")
     parser.add_argument("--results", type=Path, help="with --extract: a gpu_check results JSON")
     parser.add_argument("--context", type=int, help="with --extract: keep this context only")
+    parser.add_argument("--sections", type=sections_list, default=SECTIONS,
+                        help=f"comma-separated, of {','.join(SECTIONS)} (default: all)")
     args = parser.parse_args(argv)
     if args.extract:
         if not args.results:
@@ -1043,10 +1147,23 @@ def main(argv: list[str] | None = None) -> int:
                        else None)
     if out is None:
         parser.error("--out PATH, or $OUT set")
-    return run_all(TINY_PLAN if args.tiny else GPU_PLAN, out, args.time_limit, argv)
+    return run_all(TINY_PLAN if args.tiny else GPU_PLAN, out, args.time_limit, argv,
+                   args.sections)
 
 
-def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None) -> int:
+SECTIONS = ("kernels", "paged_kernel", "stream_safety", "step_cost", "tree_profile")
+
+
+def sections_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"sections are {', '.join(SECTIONS)}; got {text!r}")
+    return names
+
+
+def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None,
+            sections: tuple[str, ...] = SECTIONS) -> int:
     start = time.monotonic()
     if not plan.cuda and not interpreting():
         raise SystemExit("--tiny runs the kernels under TRITON_INTERPRET=1, which was not in "
@@ -1058,11 +1175,15 @@ def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None) ->
                              *(sys.argv[1:] if argv is None else argv)]),
         "tiny": not plan.cuda, "device": device_info(plan)})
     log(json.dumps(report.result["device"]))
-    report.section("kernels", lambda r, save: kernels_section(plan, r))
-    report.section("paged_kernel", lambda r, save: paged_section(plan, r, save))
-    report.section("stream_safety", lambda r, save: stream_safety_section(plan, r))
-    report.section("step_cost", lambda r, save: step_cost_section(plan, start + time_limit,
-                                                                  r, save))
+    measures = {
+        "kernels": lambda r, save: kernels_section(plan, r),
+        "paged_kernel": lambda r, save: paged_section(plan, r, save),
+        "stream_safety": lambda r, save: stream_safety_section(plan, r),
+        "step_cost": lambda r, save: step_cost_section(plan, start + time_limit, r, save),
+        "tree_profile": lambda r, save: tree_profile_section(plan, r)}
+    for name in SECTIONS:
+        if name in sections:
+            report.section(name, measures[name])
     report.result["seconds"] = round(time.monotonic() - start, 1)
     report.save()
     log(f"wrote {out} and {out.with_suffix('.md')} in {report.result['seconds']} s; "

@@ -4,6 +4,7 @@ curve turns into a file that replay's ``measured_step_costs`` reads. Its times m
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,12 +16,14 @@ import numpy as np
 import pytest
 
 from benchmarks.gpu_check import (
+    PROFILE_TOP,
     TINY_PLAN,
     Report,
     StepCostRun,
     leading_chain_len,
     main,
     node_depths,
+    sections_list,
     step_cost_section,
     verify_tree,
 )
@@ -107,13 +110,17 @@ def tiny_run(tmp_path_factory):
 def test_tiny_run_checks_the_kernels_against_their_references(tiny_run):
     result, _ = tiny_run
     sections = result["sections"]
-    assert list(sections) == ["kernels", "paged_kernel", "stream_safety", "step_cost"]
+    assert list(sections) == ["kernels", "paged_kernel", "stream_safety", "step_cost",
+                              "tree_profile"]
     assert result["tiny"] is True and "interpreter" in result["device"]["device"]
     kernels = [c["kernel"] for c in sections["kernels"]["checks"]]
     assert kernels.count("tree_mask") == 4 and kernels.count("tree_attention") == 3
     assert kernels.count("projection") == 2
     paged = sections["paged_kernel"]["checks"]
-    assert len(paged) == 5 and all(c["untouched_equal"] for c in paged)
+    assert all(c["untouched_equal"] for c in paged)
+    # Five cases, then one tree at each context split (the kernel's default first).
+    assert [c["case"] for c in paged[5:]] == ["verify-4 @70, splits default",
+                                             "verify-4 @70, splits 1", "verify-4 @70, splits 2"]
     # Every tree computes its rows after its leading chain, or all of them in the first case.
     assert paged[0]["first"] == [0] and paged[1]["first"] == [32, 16, 1, 1]
     assert paged[4]["contexts"] == [17, 40] and paged[4]["rows_computed"] == 32 + 32
@@ -123,6 +130,27 @@ def test_tiny_run_checks_the_kernels_against_their_references(tiny_run):
             assert c["ok"] and c["max_abs_err"] <= c["tolerance"], c
     stream = sections["stream_safety"]
     assert stream.get("skipped") == "benchmarks/stream_safety.py missing" or stream["ok"], stream
+
+
+def test_tiny_run_profiles_a_chain_and_a_tree_step(tiny_run):
+    result, out = tiny_run
+    profile = result["sections"]["tree_profile"]
+    assert profile["ok"] is True
+    assert (profile["model"], profile["context_tokens"], profile["draft_len"]) == (
+        "tiny", min(TINY_PLAN.contexts), max(TINY_PLAN.draft_lens))
+    for kind in ("chain", "tree"):
+        kernels = profile[kind]["kernels"]
+        assert 0 < len(kernels) <= PROFILE_TOP
+        times = [k["us"] for k in kernels]
+        assert times == sorted(times, reverse=True) and profile[kind]["total_us"] >= sum(times)
+    assert "| kernel | us | calls |" in out.with_suffix(".md").read_text()
+
+
+def test_sections_are_named_from_the_list():
+    assert sections_list("step_cost, tree_profile") == ("step_cost", "tree_profile")
+    for bad in ("step-cost", ",", "kernels,nope"):
+        with pytest.raises(argparse.ArgumentTypeError, match="sections are kernels, "):
+            sections_list(bad)
 
 
 def test_tiny_run_measures_every_curve(tiny_run):
@@ -335,7 +363,8 @@ def test_the_short_context_paged_case_fails_a_kernel_blind_to_the_tree(monkeypat
                                               scale, output=output)
 
     monkeypatch.setattr(gpu_check, "paged_tree_attention", self_only)
-    plan = dataclasses.replace(TINY_PLAN, dtype=torch.bfloat16, attention_shape=(32, 8, 128))
+    plan = dataclasses.replace(TINY_PLAN, dtype=torch.bfloat16, attention_shape=(32, 8, 128),
+                               split_contexts=())
     result = {}
     gpu_check.paged_section(plan, result, lambda: None)
     short = result["checks"][-1]
