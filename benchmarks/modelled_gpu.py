@@ -8,8 +8,9 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 
 ``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
-used. Every step of a tree row costs the tree curve, chain-shaped ones too: vLLM runs a tree
-config in PIECEWISE CUDA-graph mode throughout, the mode the tree curve is measured in. The
+used. A tree row's tree steps cost the tree curve, its other steps the chain's plus what the
+tree curve's CUDA-graph mode adds at no draft: vLLM runs a tree config PIECEWISE throughout, the
+mode the tree curve is measured in, and our kernel only on tree rows. The
 chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
 (``calibrated_options``, over the lengths chains verify): those are the accelerator defaults the
 curve implies, and our methods are replayed with its ``draft_token_cost`` and ``min_draft_len``
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             f"outputs, step times from `{args.chain_cost}` and `{args.tree_cost}`; our methods "
             f"at the accelerator's defaults with draft_token_cost "
             f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}. "
-            f"A tree row's every step costs the tree curve (vLLM runs a tree config "
+            f"A tree row's tree steps cost the tree curve, its other steps the chain's plus "
+            f"what the tree's PIECEWISE mode adds at no draft (vLLM runs a tree config "
             f"PIECEWISE throughout). Drafting is left out of the modelled speedup; `with "
             f"drafting` adds to every step the part of drafting it waits for (`critical "
             f"drafting`: everything but the drafts made ahead, which overlap the next forward), "

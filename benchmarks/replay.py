@@ -25,8 +25,9 @@ Where replay is not the engine:
 - Time is simulated: a step takes the time of the draft length it verified, measured
   (``--verify-cost``) or 1 + ``draft_token_cost`` x d steps without a draft. ``pad_drafts``
   learns from that clock as from the engine's, padding drafts to measure lengths first. With
-  ``--tree-verify-cost`` every step of a tree config costs that curve (vLLM runs them all in
-  the tree's CUDA-graph mode), else a tree costs what a chain of as many tokens does; with
+  ``--tree-verify-cost`` a tree step costs that curve and a tree config's other steps the
+  chain's plus what the tree's CUDA-graph mode adds (``StepCosts``), else a tree costs what a
+  chain of as many tokens does; with
   ``--batch`` each row costs what it would alone. The simulated clock leaves drafting out;
   with a measured curve, ``modeled_speedup_with_drafting`` adds the part of it a step waits
   for, timed on this machine. Drafts made ahead (``after_handover``) run to the end here,
@@ -72,7 +73,7 @@ from vllm_retrieval_spec.drafting.tree import TreeDraft
 from vllm_retrieval_spec.proposers.base import RetrievalProposer
 from vllm_retrieval_spec.proposers.hidden_states import accepted_state_segments
 from vllm_retrieval_spec.proposers.hybrid import HybridDrafter
-from vllm_retrieval_spec.verification.core import greedy_tree_walk, tree_depths
+from vllm_retrieval_spec.verification.core import greedy_tree_walk, is_chain, tree_depths
 
 #: The engine's context length unless a record needs more (SmolLM2's).
 MAX_MODEL_LEN = 8192
@@ -119,9 +120,12 @@ def measured_step_costs(path: str, k: int) -> list[float]:
 class StepCosts:
     """A step verifying d draft tokens costs ``curve[d] / curve[0]`` steps without a draft
     where measured, else 1 + ``draft_token_cost`` x d. Given ``tree_curve`` (a config drafting
-    trees), every step costs ``tree_curve[d] / curve[0]``, chain-shaped and draftless ones too:
-    while trees are on, vLLM runs every step in the CUDA-graph mode the tree curve was measured
-    in (PIECEWISE, attention eager); a chain is charged the tree kernel too, an overestimate."""
+    trees), a step verifying a tree with rows after its leading chain costs ``tree_curve[d] /
+    curve[0]``; every other step the chain's, plus what the tree curve's CUDA-graph mode adds
+    without tree rows (``tree_curve[0] - curve[0]``): while trees are on, vLLM runs every step
+    PIECEWISE (attention eager), the mode the tree curve was measured in, and our kernel runs
+    only on tree rows. On the H200 the mode added 0.37 ms to a 7.2 ms step, our kernel 0.75
+    ms more (benchmarks/results/gpu-check-h200*)."""
 
     draft_token_cost: float
     curve: list[float] | None = None
@@ -131,11 +135,18 @@ class StepCosts:
         if self.tree_curve is not None and self.curve is None:
             raise ValueError("a tree step-cost curve needs the chain's (--verify-cost) too")
 
-    def units(self, draft_len: int) -> float:
+    def units(self, draft_len: int, tree_rows: bool = False) -> float:
+        """A step's cost; ``tree_rows``: it verifies a tree with rows after its leading
+        chain."""
         if self.curve is None:
             return 1.0 + self.draft_token_cost * draft_len
-        curve = self.tree_curve if self.tree_curve is not None else self.curve
-        return curve[min(draft_len, len(curve) - 1)] / self.curve[0]
+        d = min(draft_len, len(self.curve) - 1)
+        if self.tree_curve is None:
+            return self.curve[d] / self.curve[0]
+        if tree_rows:
+            return self.tree_curve[min(draft_len, len(self.tree_curve) - 1)] / self.curve[0]
+        mode = max(0.0, self.tree_curve[0] - self.curve[0])
+        return (self.curve[d] + mode) / self.curve[0]
 
     def drafting_units(self, critical_ns: int) -> float:
         """Drafting a step waits for, in steps without a draft: measured curves only (the
@@ -357,7 +368,8 @@ class Replay:
         base = np.zeros(self.batch, dtype=np.int32)
         for i, r in enumerate(batch):
             drafted = len(r.draft) if r.done else 0
-            units = self.costs.units(drafted)
+            units = self.costs.units(drafted, bool(drafted) and r.tree is not None
+                                     and not is_chain(r.tree.parents))
             self.forwards += 1
             self.decode_steps += r.done > 0
             self.drafted += drafted

@@ -137,14 +137,17 @@ def test_a_tree_accepts_its_longest_root_path_along_the_output():
     assert trace == [[[5, 6, 9, 7]], [[31, 32]], [[]]]
     assert result["tokens_per_forward"] == round(6 / 3, 3)
     assert result["mean_draft_len"] == (4 + 2) / 2
-    # Measured costs: a tree config runs every step in the tree curve's CUDA-graph mode, so
-    # the prefill (0 nodes), the tree step (4) and the chain step (2) all cost the tree curve,
-    # against the chain curve's draftless step (plain decoding).
+    # Measured costs: a tree config runs every step in the tree curve's CUDA-graph mode, which
+    # adds 0.5 at no draft: the prefill and the chain step (2 tokens) cost the chain curve plus
+    # that, the tree step (4 nodes, 2 after its leading chain) the tree curve; against the
+    # chain curve's draftless step (plain decoding).
     chain_curve, tree_curve = [10.0, 11.0, 12.0, 13.0, 14.0], [10.5, 11.0, 13.0, 16.0, 20.0]
     timed, _ = replay(with_method(Scripted(draft, trees=True), num_speculative_tokens=4),
                       [{"prompt": [1], "output": output}],
                       StepCosts(0.1, chain_curve, tree_curve))
-    assert timed["modeled_speedup"] == round(6 / (10.5 / 10 + 20 / 10 + 13 / 10), 3)
+    assert timed["modeled_speedup"] == round(6 / (10.5 / 10 + 20 / 10 + 12.5 / 10), 3)
+    costs = StepCosts(0.1, chain_curve, tree_curve)
+    assert (costs.units(4, tree_rows=True), costs.units(4)) == (2.0, 1.45)
     with pytest.raises(ValueError, match="needs the chain's"):
         StepCosts(0.1, None, tree_curve)
 
