@@ -130,10 +130,11 @@ class Plan:
     kernel_contexts: tuple[int, ...]
     hidden_sizes: tuple[int, ...]
     paged_contexts: tuple[int, ...]
-    #: The paged kernel's context splits timed, per context and tree size (None: its default).
+    #: The paged kernel's launch choices timed, per context and tree size: (context splits,
+    #: rows per program), None for the kernel's default.
     split_contexts: tuple[int, ...] = ()
     split_nodes: tuple[int, ...] = ()
-    split_choices: tuple[int | None, ...] = ()
+    split_choices: tuple[tuple[int | None, int | None], ...] = ()
 
     @property
     def cuda(self) -> bool:
@@ -145,11 +146,12 @@ GPU_PLAN = Plan(torch.device("cuda"), torch.bfloat16, (LLAMA_3_8B, SMOLLM2_135M)
                 attention_shape=(32, 8, 128), kernel_contexts=(512, 4096),
                 hidden_sizes=(576, 4096), paged_contexts=(8192, 512, 2048, 1001),
                 split_contexts=(512, 2048, 8192), split_nodes=(16, 64),
-                split_choices=(None, 1, 2, 4, 8, 16))
+                split_choices=((None, None), *((s, m) for m in (16, 32, 64)
+                                               for s in (1, 2, 4, 8, 16))))
 TINY_PLAN = Plan(torch.device("cpu"), torch.float32, (TINY,), (32, 64), (1, 2), (0, 1, 2, 4),
                  warmup=1, repeats=2, attention_shape=(4, 2, 16), kernel_contexts=(40,),
                  hidden_sizes=(96,), paged_contexts=(70, 16, 33, 1), split_contexts=(70,),
-                 split_nodes=(4,), split_choices=(None, 1, 2))
+                 split_nodes=(4,), split_choices=((None, None), (1, 16), (2, 32)))
 
 
 # --- Tree shapes ---------------------------------------------------------------------------
@@ -349,13 +351,14 @@ def kernels_section(plan: Plan, result: dict[str, Any]) -> None:
 class PagedCase:
     """One step's trees for the paged kernel: each tree's parents and cached context (root
     included). Every tree computes the rows after its leading chain unless ``whole`` (then all
-    of them, the chain too); ``splits`` is the kernel's, or its default. Values are drawn
-    from N(0, ``value_scale``^2)."""
+    of them, the chain too); ``splits`` and ``block_m`` are the kernel's, or its defaults.
+    Values are drawn from N(0, ``value_scale``^2)."""
 
     name: str
     trees: tuple[tuple[list[int], int], ...]
     whole: bool = False
     splits: int | None = None
+    block_m: int | None = None
     value_scale: float = 1.0
 
 
@@ -374,12 +377,13 @@ def paged_cases(plan: Plan) -> list[PagedCase]:
         # bfloat16's rounding (1/256) is far inside the tolerance.
         PagedCase("two trees, short contexts", ((verify_tree(64), 17), (retrieval_tree(33), 40)),
                   value_scale=0.25),
-        # One request's tree, as a batch-1 step verifies it, at each context split: the
-        # kernel's own choice against the others, in device time.
-        *(PagedCase(f"verify-{n} @{context}, splits {splits or 'default'}",
-                    ((verify_tree(n), context),), splits=splits)
+        # One request's tree, as a batch-1 step verifies it, at each launch choice: the
+        # kernel's own against the others, in device time.
+        *(PagedCase(f"verify-{n} @{context}, " + (f"splits {splits}, rows {block_m}"
+                                                  if splits else "default"),
+                    ((verify_tree(n), context),), splits=splits, block_m=block_m)
           for context in plan.split_contexts for n in plan.split_nodes
-          for splits in plan.split_choices),
+          for splits, block_m in plan.split_choices),
     ]
 
 
@@ -418,7 +422,8 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
         before = torch.randn(tokens, heads, head_dim, generator=g,
                              device=plan.device).to(plan.dtype)
         args = (query, key, value, key_cache, value_cache, block_table, trees, scale)
-        out = paged_tree_attention(*args, output=before.clone(), splits=case.splits)
+        launch = {"splits": case.splits, "block_m": case.block_m}
+        out = paged_tree_attention(*args, output=before.clone(), **launch)
         expected = paged_tree_attention_reference(*args, output=before.clone())
         computed = torch.zeros(tokens, dtype=torch.bool, device=plan.device)
         for start, f, p in zip(node_start, first, parents):
@@ -431,7 +436,7 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
         if plan.cuda:
             try:
                 fields["us"] = device_us_per_call(
-                    lambda: paged_tree_attention(*args, output=out, splits=case.splits))
+                    lambda: paged_tree_attention(*args, output=out, **launch))
             except Exception:
                 # The check stands without its time.
                 fields["us_error"] = traceback.format_exc()[-1500:]

@@ -192,13 +192,15 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_table: torch.Tensor, trees: PagedTrees, scale: float,
                          output: torch.Tensor | None = None,
-                         splits: int | None = None) -> torch.Tensor:
+                         splits: int | None = None, block_m: int | None = None) -> torch.Tensor:
     """:func:`paged_tree_attention_reference`'s contract, by the Triton kernel. Reads no
     tensor's values on the host, so a step's layers queue without waiting for the GPU.
 
     ``splits``: programs each tree's context is split across (flash decoding), whose partial
     softmaxes a second kernel combines; by default as many as give the GPU's multiprocessors
-    two programs each at most, at least ``MIN_SPLIT_TOKENS`` context tokens apiece."""
+    two programs each at most, at least ``MIN_SPLIT_TOKENS`` context tokens apiece.
+    ``block_m``: (node, head) rows per program, a power of two of 16 or more; by default
+    ``BLOCK_M`` (``BLOCK_M_FP32`` for float32). Both are the GPU check's to sweep."""
     import triton
 
     _check(query, key, value, key_cache, value_cache, block_table, trees)
@@ -215,7 +217,10 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     fp32 = query.dtype == torch.float32
     block_l = tree_attention.BLOCK_L_FP32 if fp32 else tree_attention.BLOCK_L
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = tree_attention.BLOCK_M_FP32 if fp32 else tree_attention.BLOCK_M
+    if block_m is None:
+        block_m = tree_attention.BLOCK_M_FP32 if fp32 else tree_attention.BLOCK_M
+    elif block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two of 16 or more, got {block_m}")
     row_blocks = triton.cdiv(trees.max_nodes * group, block_m)
     context = trees.max_context
     if splits is None:

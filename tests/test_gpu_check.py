@@ -119,8 +119,9 @@ def test_tiny_run_checks_the_kernels_against_their_references(tiny_run):
     paged = sections["paged_kernel"]["checks"]
     assert all(c["untouched_equal"] for c in paged)
     # Five cases, then one tree at each context split (the kernel's default first).
-    assert [c["case"] for c in paged[5:]] == ["verify-4 @70, splits default",
-                                             "verify-4 @70, splits 1", "verify-4 @70, splits 2"]
+    assert [c["case"] for c in paged[5:]] == ["verify-4 @70, default",
+                                             "verify-4 @70, splits 1, rows 16",
+                                             "verify-4 @70, splits 2, rows 32"]
     # Every tree computes its rows after its leading chain, or all of them in the first case.
     assert paged[0]["first"] == [0] and paged[1]["first"] == [32, 16, 1, 1]
     assert paged[4]["contexts"] == [17, 40] and paged[4]["rows_computed"] == 32 + 32
@@ -356,7 +357,7 @@ def test_the_short_context_paged_case_fails_a_kernel_blind_to_the_tree(monkeypat
     )
 
     def self_only(query, key, value, key_cache, value_cache, block_table, trees, scale,
-                  output=None, splits=None):
+                  output=None, splits=None, block_m=None):
         eye = torch.eye(trees.max_nodes, dtype=torch.int8).expand(len(trees), -1, -1)
         return paged_tree_attention_reference(query, key, value, key_cache, value_cache,
                                               block_table, dataclasses.replace(trees, mask=eye),

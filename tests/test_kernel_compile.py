@@ -80,6 +80,10 @@ def compile_everything() -> dict:
                          kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, splits=splits)
                 paged_tree_attention.paged_tree_attention(*inputs(c), head_dim ** -0.5,
                                                           splits=splits)
+                # The GPU check's launch choices (rows per program) besides the default.
+                for block_m in (16, 32) if dtype == torch.bfloat16 else ():
+                    paged_tree_attention.paged_tree_attention(
+                        *inputs(c), head_dim ** -0.5, splits=splits, block_m=block_m)
         # PCA dims up to the hidden size are accepted: 300 and 1000 fit in shared memory only
         # tiled across programs, 256 only in 16-row blocks (130 rows would take 64-row blocks
         # on one "multiprocessor").

@@ -55,11 +55,13 @@ class Case:
     head_dim: int
     dtype: torch.dtype
     splits: int | None = None
+    block_m: int | None = None
 
 
-def case(trees, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, splits=None) -> Case:
+def case(trees, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, splits=None,
+         block_m=None) -> Case:
     return Case(tuple((tuple(p), context, first) for p, context, first in trees), heads,
-                kv_heads, head_dim, dtype, splits)
+                kv_heads, head_dim, dtype, splits, block_m)
 
 
 CASES = {
@@ -77,6 +79,9 @@ CASES = {
     "split-2": case([(rest_like(24), 130, 4), (random_tree(9, 2), 5, 0)], splits=2),
     "split-3-bf16": case([(random_tree(16, 9), 200, 0), (chain(3), 64, 1)],
                          dtype=torch.bfloat16, splits=3),
+    # Rows per program other than the default: a block holds parts of several nodes' groups.
+    "rows-32-gqa": case([(rest_like(24), 130, 4), (random_tree(9, 2), 5, 0)], heads=8,
+                        kv_heads=2, splits=2, block_m=32),
     "nothing-computed": case([(chain(4), 20, 4)]),
     # No tree has context (the kernel's contract allows it): the nodes attend only each other.
     "no-context": case([(random_tree(5, 10), 0, 0)]),
@@ -137,7 +142,7 @@ def _run_interpreted(path: str) -> None:
         query, key, value, key_cache, value_cache, table, trees = inputs(c)
         outputs[name] = paged_tree_attention(
             query, key, value, key_cache, value_cache, table, trees, c.head_dim ** -0.5,
-            output=torch.full_like(query, UNTOUCHED), splits=c.splits)
+            output=torch.full_like(query, UNTOUCHED), splits=c.splits, block_m=c.block_m)
     c = CASES["three-trees"]
     masks = paged_trees([list(p) for p, _, _ in c.trees], [1, 30, 40], [0, 0, 0], [0, 0, 0],
                         [0, 0, 0], "cpu").mask
@@ -289,3 +294,12 @@ def test_the_kernel_refuses_inputs_without_unit_stride_in_the_head_dimension():
     strided.copy_(args["query"])
     with pytest.raises(ValueError, match="query must have unit stride in its head dimension"):
         paged_tree_attention(**{**args, "query": strided}, scale=0.1)
+
+
+@pytest.mark.parametrize("block_m", [8, 24])
+def test_the_kernel_refuses_rows_per_program_that_are_no_power_of_two_of_16_or_more(block_m):
+    names = ("query", "key", "value", "key_cache", "value_cache", "block_table", "trees")
+    args = dict(zip(names, inputs(CASES["three-trees"])))
+    with pytest.raises(ValueError, match=f"block_m must be a power of two of 16 or more, got "
+                                         f"{block_m}"):
+        paged_tree_attention(**args, scale=0.1, block_m=block_m)
