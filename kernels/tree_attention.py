@@ -55,7 +55,10 @@ NUM_STAGES = 2
 #: Context tokens per program at the least when the context is split across programs (flash
 #: decoding): a tree has too few rows to occupy a GPU otherwise (3 programs for 16 nodes of
 #: SmolLM2), but the combining kernel's launch costs more than one program's pass over 512
-#: tokens (H200: 18 us unsplit, 37 us in two; benchmarks/results/kernels-h200-sweep.md).
+#: tokens (H200: 18 us unsplit, 37 us in two; benchmarks/results/kernels-h200-sweep.md). Those
+#: timed one call at a time, mostly its launch; inside a step (a CUDA graph) the paged kernel
+#: took 23 us a layer unsplit at 512 tokens (benchmarks/results/gpu-check-h200-profile.md): the
+#: GPU check's split cases time each choice in graphs, to set this again.
 MIN_SPLIT_TOKENS = 1024
 #: (node, head) rows per program of the kernel that combines the splits.
 BLOCK_R = 16
