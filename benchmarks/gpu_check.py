@@ -985,7 +985,8 @@ def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
     context, the longest draft; on CPU (``--tiny``) each op's CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    shape, context, n = plan.models[0], plan.contexts[0], max(plan.draft_lens)
+    shape, context, n = plan.models[0], min(plan.contexts), max(plan.draft_lens)
+    activity = ProfilerActivity.CUDA if plan.cuda else ProfilerActivity.CPU
     result.update(model=shape.name, batch=1, context_tokens=context, draft_len=n,
                   forwards=PROFILE_FORWARDS,
                   unit="device us per forward" if plan.cuda else "CPU us per forward")
@@ -998,7 +999,6 @@ def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
                                      else verify_tree(n), 1, context, plan.device)
             for _ in range(plan.warmup):
                 forward()
-            activity = ProfilerActivity.CUDA if plan.cuda else ProfilerActivity.CPU
             with profile(activities=[activity]) as prof:
                 for _ in range(PROFILE_FORWARDS):
                     forward()
