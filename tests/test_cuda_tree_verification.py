@@ -332,10 +332,10 @@ def compilation_config_as_vllm_resolves_it(**options):
     """A compilation config after our engine-args patch, then vLLM's own resolution."""
     from vllm.config.compilation import CompilationConfig, CompilationMode
 
-    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs
 
     config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, **options)
-    piecewise_cuda_graphs_for_trees(config)
+    piecewise_cuda_graphs(config, trees=True)
     config.set_splitting_ops_for_v1("allgather_reducescatter")
     return config
 
@@ -380,26 +380,56 @@ def test_a_cuda_runner_gets_a_verifier_of_its_head_size_or_its_layers_refusal():
         cuda_tree_verifier(runner)
 
 
+@pytest.mark.parametrize("trees", [True, False])
 @pytest.mark.parametrize("mode, expected", [(None, "PIECEWISE"), ("PIECEWISE", "PIECEWISE"),
                                             ("NONE", "NONE")])
-def test_trees_keep_cuda_graphs_piecewise(mode, expected):
+def test_cuda_graphs_are_piecewise_unless_set(mode, expected, trees):
     from vllm.config.compilation import CompilationConfig
 
-    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs
 
     config = CompilationConfig(cudagraph_mode=mode)
-    piecewise_cuda_graphs_for_trees(config)
+    piecewise_cuda_graphs(config, trees)
     assert config.cudagraph_mode.name == expected
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
-def test_full_cuda_graphs_with_trees_are_refused(mode):
+def test_full_cuda_graphs_with_trees_are_refused_and_kept_for_chains(mode):
     from vllm.config.compilation import CompilationConfig
 
-    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs_for_trees
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs
 
     with pytest.raises(ConfigError, match=f"cudagraph_mode {mode} captures it"):
-        piecewise_cuda_graphs_for_trees(CompilationConfig(cudagraph_mode=mode))
+        piecewise_cuda_graphs(CompilationConfig(cudagraph_mode=mode), trees=True)
+    chains = CompilationConfig(cudagraph_mode=mode)
+    piecewise_cuda_graphs(chains, trees=False)
+    assert chains.cudagraph_mode.name == mode
+
+
+def test_piecewise_graphs_keep_capture_sizes_a_short_draft_fits():
+    """With vLLM's default mode its Model Runner V1 rounds every capture size up to a multiple
+    of num_speculative_tokens + 1, so a lone request's step runs k + 1 tokens whatever its
+    draft; PIECEWISE keeps the sizes as they are."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs
+
+    def resolved_sizes(patched: bool) -> list[int]:
+        config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                                   cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32, 40, 48],
+                                   max_cudagraph_capture_size=48)
+        if patched:
+            piecewise_cuda_graphs(config, trees=False)
+        else:
+            config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # vLLM's default
+        config.set_splitting_ops_for_v1("allgather_reducescatter")
+        config.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.UNIFORM_BATCH, "FLASH_ATTN",
+                                                uniform_decode_query_len=1 + 15)
+        return config.cudagraph_capture_sizes
+
+    assert resolved_sizes(patched=False) == [16, 32, 48]
+    assert resolved_sizes(patched=True) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
             config = parse_speculative_config(options, platform_defaults(current_platform.is_cpu()))
             validate_against_model(config, target_model_config)
             refuse_pipeline_parallelism(config.method, target_parallel_config)
-            if config.drafts_trees and not current_platform.is_cpu():
-                piecewise_cuda_graphs_for_trees(self.compilation_config)
+            if not current_platform.is_cpu():
+                piecewise_cuda_graphs(self.compilation_config, config.drafts_trees)
             self.additional_config = {**(self.additional_config or {}),
                                       PLUGIN_KEY: config.to_dict()}
             self.speculative_config = {
@@ -108,18 +108,28 @@ def without_prefix_caching_for_pld_plus(create_engine_config: Callable) -> Calla
     return wrapper
 
 
-def piecewise_cuda_graphs_for_trees(compilation_config: Any) -> None:
-    """Tree rows are attended again by a wrapper of the attention backend's ``forward``
-    (``verification.cuda``), which a full CUDA graph's replay never calls: with trees on,
-    graphs stay piecewise (attention runs eagerly between them) or off. vLLM's default
-    (FULL_AND_PIECEWISE) becomes PIECEWISE; an explicit full mode is refused."""
+def piecewise_cuda_graphs(compilation_config: Any, trees: bool) -> None:
+    """vLLM's default CUDA-graph mode (FULL_AND_PIECEWISE) becomes PIECEWISE: graphs between
+    the attention layers, attention run eagerly.
+
+    - Chains: vLLM 0.32 replays a full graph only when every row verifies
+      num_speculative_tokens (``_is_uniform_decode``), and while it keeps full decode graphs
+      it rounds every capture size up to a multiple of num_speculative_tokens + 1
+      (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``), so each of the other
+      steps computes k + 1 tokens whatever its draft. Our drafts vary in length: PIECEWISE
+      alone pads a step only to the next of the sizes 1, 2, 4, 8, 16, ... Modelled on the
+      H200's step costs, hybrid's chains came out 5-10% faster so (docs/measurements.md).
+      An explicit mode is kept.
+    - Trees: their rows are attended again by a wrapper of the attention backend's
+      ``forward`` (``verification.cuda``), which a full graph's replay never calls; an
+      explicit full mode is refused."""
     from vllm.config.compilation import CUDAGraphMode
 
     mode = compilation_config.cudagraph_mode
     if mode is None:
-        logger.info("tree drafts: CUDA graphs are piecewise (attention runs outside them)")
+        logger.info("retrieval drafts: CUDA graphs are piecewise (attention runs outside them)")
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    elif mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+    elif trees and mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
         raise ConfigError(
             f"tree drafts need attention outside CUDA graphs, and cudagraph_mode {mode.name} "
             "captures it: use cudagraph_mode PIECEWISE or NONE (-cc.cudagraph_mode=PIECEWISE), "
