@@ -8,9 +8,13 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 
 ``CHAIN.json`` and ``TREE.json`` are in ``replay --verify-cost``'s format (rows of
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
-used. A tree row's tree steps cost the tree curve, its other steps the chain's plus what the
-tree curve's CUDA-graph mode adds at no draft: vLLM runs a tree config PIECEWISE throughout, the
-mode the tree curve is measured in, and our kernel only on tree rows. The
+used. Steps cost what vLLM 0.32's CUDA graphs make them (``replay.CudaGraphs``): for ``suffix``
+and ``ngram`` a full graph (the chain curve) only for a draft of num_speculative_tokens, other
+steps PIECEWISE (attention eager: the chain curve plus what the mode adds at no draft, read off
+the tree curve, which is measured PIECEWISE), ``suffix``'s at num_speculative_tokens + 1 tokens
+whatever the draft (Model Runner V1 rounds its capture sizes to that); our methods run
+PIECEWISE throughout (the plugin's mode), their tree steps at the tree curve, our kernel only
+on tree rows. The
 chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
 (``calibrated_options``, over the lengths chains verify): those are the accelerator defaults the
 curve implies, and our methods are replayed with its ``draft_token_cost`` and ``min_draft_len``
@@ -82,7 +86,7 @@ def modelled_rows(records: list[dict[str, Any]], configs: dict[str, dict], chain
         ours = [r for r in records if r.get("task", "code-gen") == task]
         for name, options in configs.items():
             result = replay_config(options, ours, platform, verify_cost=chain_cost,
-                                   tree_verify_cost=tree_cost if "tree" in options else None)
+                                   tree_verify_cost=tree_cost)
             rows.append({"task": task, "method": name, "config": options, "prompts": len(ours),
                          **{key: result[key] for key in (
                              "modeled_speedup", "modeled_speedup_with_drafting",
@@ -134,9 +138,13 @@ def main(argv: list[str] | None = None) -> None:
             f"outputs, step times from `{args.chain_cost}` and `{args.tree_cost}`; our methods "
             f"at the accelerator's defaults with draft_token_cost "
             f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}. "
-            f"A tree row's tree steps cost the tree curve, its other steps the chain's plus "
-            f"what the tree's PIECEWISE mode adds at no draft (vLLM runs a tree config "
-            f"PIECEWISE throughout). Drafting is left out of the modelled speedup; `with "
+            f"Steps cost what vLLM 0.32's CUDA graphs make them: for suffix and ngram a full "
+            f"graph (the chain curve) only for a draft of num_speculative_tokens, else "
+            f"PIECEWISE (the chain curve plus what the mode adds at no draft), suffix's at "
+            f"num_speculative_tokens + 1 tokens whatever the draft (Model Runner V1 rounds its "
+            f"capture sizes to that), ngram's (Model Runner V2) at the next capture size; ours "
+            f"run PIECEWISE throughout (the plugin's mode), tree steps at the tree curve. "
+            f"Drafting is left out of the modelled speedup; `with "
             f"drafting` adds to every step the part of drafting it waits for (`critical "
             f"drafting`: everything but the drafts made ahead, which overlap the next forward), "
             f"timed by replay on the machine this page names, not a GPU host. `ahead used`: "

@@ -24,11 +24,13 @@ requests, through the journals), vLLM's ``suffix`` learns from its own replica's
 Where replay is not the engine:
 - Time is simulated: a step takes the time of the draft length it verified, measured
   (``--verify-cost``) or 1 + ``draft_token_cost`` x d steps without a draft. ``pad_drafts``
-  learns from that clock as from the engine's, padding drafts to measure lengths first. With
-  ``--tree-verify-cost`` a tree step costs that curve and a tree config's other steps the
-  chain's plus what the tree's CUDA-graph mode adds (``StepCosts``), else a tree costs what a
-  chain of as many tokens does; with
-  ``--batch`` each row costs what it would alone. The simulated clock leaves drafting out;
+  learns from that clock as from the engine's, padding drafts to measure lengths first. A
+  GPU curve (``benchmarks/gpu_check.py``'s, with ``--tree-verify-cost``) is read as vLLM
+  0.32 replays CUDA graphs (``StepCosts``, ``CudaGraphs``): a full graph only for a draft of
+  num_speculative_tokens, else piecewise, and then, for vLLM's ``suffix`` and our chains,
+  at that many tokens whatever the draft; a tree step costs the tree curve, else a tree costs
+  what a chain of as many tokens does. With ``--batch`` each row costs what it would alone
+  (a batch's graph mode as a lone row's). The simulated clock leaves drafting out;
   with a measured curve, ``modeled_speedup_with_drafting`` adds the part of it a step waits
   for, timed on this machine. Drafts made ahead (``after_handover``) run to the end here,
   where the engine stops them when the next forward is done and drafts the rest in
@@ -102,11 +104,11 @@ def shortest_context_rows(path: str) -> list[dict[str, Any]]:
     return [row for row in rows if row["context_tokens"] == shortest]
 
 
-def measured_step_costs(path: str, k: int) -> list[float]:
+def measured_step_costs(path: str, k: int, key: str = "ms_per_step_median") -> list[float]:
     """Step time for 0..k draft tokens from a ``verify_cost`` results file: its shortest
-    context's medians, linear between the measured lengths and along the last two beyond."""
-    points = sorted((row["draft_len"], row["ms_per_step_median"])
-                    for row in shortest_context_rows(path))
+    context's ``key`` (medians), linear between the measured lengths and along the last two
+    beyond."""
+    points = sorted((row["draft_len"], row[key]) for row in shortest_context_rows(path))
     if len(points) < 2 or points[0][0] != 0:
         raise ValueError(f"{path}: needs the step time with no draft and at least one other "
                          f"length, got draft lengths {[d for d, _ in points]}")
@@ -116,37 +118,104 @@ def measured_step_costs(path: str, k: int) -> list[float]:
             else times[-1] + slope * (d - lengths[-1]) for d in range(k + 1)]
 
 
+def piecewise_step_costs(path: str, tree_path: str | None, k: int) -> list[float] | None:
+    """A chain step's time run PIECEWISE (CUDA graphs between the attention layers, attention
+    eager), for 0..k draft tokens: the chain rows' ``piecewise_ms_median`` where
+    ``gpu_check`` measured it, else the chain's full-graph time plus what the mode adds at no
+    draft (the tree curve's first row, measured PIECEWISE, less the chain's); None without
+    either (a CPU curve: no CUDA graphs)."""
+    if all("piecewise_ms_median" in row for row in shortest_context_rows(path)):
+        return measured_step_costs(path, k, "piecewise_ms_median")
+    if tree_path is None:
+        return None
+    chain = measured_step_costs(path, k)
+    mode = max(0.0, measured_step_costs(tree_path, 0)[0] - chain[0])
+    return [ms + mode for ms in chain]
+
+
+#: vLLM 0.32's CUDA-graph capture sizes up to 255 tokens (``VllmConfig._set_cudagraph_sizes``);
+#: a speculative config's also has k + 1.
+CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8))
+
+
+@dataclass(frozen=True)
+class CudaGraphs:
+    """How vLLM 0.32 runs a decode step of one request verifying d of at most ``k`` draft
+    tokens, CUDA graphs on (its default mode, FULL_AND_PIECEWISE):
+    - ``full_at_k``: a k-token draft makes a uniform batch, which replays one full graph; any
+      other step runs PIECEWISE (``gpu_model_runner._is_uniform_decode``: every row verifies
+      k).
+    - ``rounded``: the capture sizes are multiples of k + 1, so a piecewise step computes
+      k + 1 tokens whatever its draft (Model Runner V1 with full decode graphs:
+      ``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``); else it computes its
+      tokens padded to the next capture size. vLLM runs ``suffix`` on Model Runner V1 and
+      ``ngram`` on V2, which does not round
+      (``VllmConfig._get_v2_model_runner_unsupported_features``). Our methods run PIECEWISE
+      only (``patches.engine_args.piecewise_cuda_graphs``)."""
+
+    k: int
+    full_at_k: bool = True
+    rounded: bool = True
+
+    def piecewise_len(self, draft_len: int) -> int:
+        """The draft length whose tokens a piecewise step verifying ``draft_len`` computes."""
+        if self.rounded:
+            return self.k
+        return min(s for s in (*CAPTURE_SIZES, self.k + 1) if s > draft_len) - 1
+
+
+def cuda_graphs(drafter: Any) -> CudaGraphs:
+    """The CUDA graphs vLLM 0.32 runs ``drafter``'s steps in (``CudaGraphs``)."""
+    if isinstance(drafter, SuffixPeer):
+        return CudaGraphs(drafter.k)
+    if isinstance(drafter, NgramPeer):
+        return CudaGraphs(drafter.k, rounded=False)
+    return CudaGraphs(drafter.k, full_at_k=False, rounded=False)
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """A step verifying d draft tokens costs ``curve[d] / curve[0]`` steps without a draft
-    where measured, else 1 + ``draft_token_cost`` x d. Given ``tree_curve`` (a config drafting
-    trees), a step verifying a tree with rows after its leading chain costs ``tree_curve[d] /
-    curve[0]``; every other step the chain's, plus what the tree curve's CUDA-graph mode adds
-    without tree rows (``tree_curve[0] - curve[0]``): while trees are on, vLLM runs every step
-    PIECEWISE (attention eager), the mode the tree curve was measured in, and our kernel runs
-    only on tree rows. On the H200 the mode added 0.37 ms to a 7.2 ms step, our kernel 0.75
-    ms more (benchmarks/results/gpu-check-h200*)."""
+    where measured, else 1 + ``draft_token_cost`` x d; a step verifying a tree with rows after
+    its leading chain costs ``tree_curve[d]`` where measured.
+
+    On a GPU curve (``graphs`` and ``piecewise_curve``, the chain's time run PIECEWISE) a step
+    costs what vLLM's CUDA graphs make it (``CudaGraphs``): a full graph's ``curve[d]`` only
+    for a k-token draft, else the piecewise time of the tokens the step computes, and a tree
+    step the tree curve's excess over a piecewise chain of as many tokens on top (our kernel,
+    which runs only on tree rows). Plain decoding, the unit, replays a full graph of one
+    token: ``curve[0]``. On the H200 a piecewise step took 0.37 ms more than a full graph's
+    7.2 ms, and our kernel 0.75 ms more at 64 tree nodes (benchmarks/results/gpu-check-h200*)."""
 
     draft_token_cost: float
     curve: list[float] | None = None
     tree_curve: list[float] | None = None
+    piecewise_curve: list[float] | None = None
+    graphs: CudaGraphs | None = None
 
     def __post_init__(self) -> None:
         if self.tree_curve is not None and self.curve is None:
             raise ValueError("a tree step-cost curve needs the chain's (--verify-cost) too")
+        if (self.graphs is None) != (self.piecewise_curve is None):
+            raise ValueError("CUDA graphs are modelled with the chain's piecewise curve")
 
     def units(self, draft_len: int, tree_rows: bool = False) -> float:
         """A step's cost; ``tree_rows``: it verifies a tree with rows after its leading
         chain."""
         if self.curve is None:
             return 1.0 + self.draft_token_cost * draft_len
-        d = min(draft_len, len(self.curve) - 1)
-        if self.tree_curve is None:
+        trees = self.tree_curve if tree_rows else None
+        if self.graphs is None:
+            curve = trees or self.curve
+            return curve[min(draft_len, len(curve) - 1)] / self.curve[0]
+        assert self.piecewise_curve is not None
+        d = min(draft_len, self.graphs.k)
+        if self.graphs.full_at_k and d == self.graphs.k and not tree_rows:
             return self.curve[d] / self.curve[0]
-        if tree_rows:
-            return self.tree_curve[min(draft_len, len(self.tree_curve) - 1)] / self.curve[0]
-        mode = max(0.0, self.tree_curve[0] - self.curve[0])
-        return (self.curve[d] + mode) / self.curve[0]
+        ms = self.piecewise_curve[self.graphs.piecewise_len(d)]
+        if trees is not None:
+            ms += max(0.0, trees[min(d, len(trees) - 1)] - self.piecewise_curve[d])
+        return ms / self.curve[0]
 
     def drafting_units(self, critical_ns: int) -> float:
         """Drafting a step waits for, in steps without a draft: measured curves only (the
@@ -368,8 +437,9 @@ class Replay:
         base = np.zeros(self.batch, dtype=np.int32)
         for i, r in enumerate(batch):
             drafted = len(r.draft) if r.done else 0
+            # A prefill costs what plain decoding's does, in the same CUDA-graph mode.
             units = self.costs.units(drafted, bool(drafted) and r.tree is not None
-                                     and not is_chain(r.tree.parents))
+                                     and not is_chain(r.tree.parents)) if r.done else 1.0
             self.forwards += 1
             self.decode_steps += r.done > 0
             self.drafted += drafted
@@ -478,9 +548,13 @@ def replay_config(options: dict[str, Any], records: list[dict[str, Any]],
             drafter.close()
         raise
     k = drafters[0].k
+    trees = drafters[0].capabilities.trees
+    piecewise = piecewise_step_costs(verify_cost, tree_verify_cost, k) if verify_cost else None
     costs = StepCosts(draft_token_cost,
                       measured_step_costs(verify_cost, k) if verify_cost else None,
-                      measured_step_costs(tree_verify_cost, k) if tree_verify_cost else None)
+                      measured_step_costs(tree_verify_cost, k)
+                      if tree_verify_cost and trees else None,
+                      piecewise, cuda_graphs(drafters[0]) if piecewise is not None else None)
     with tempfile.TemporaryDirectory(prefix="replay-fleet-") as shared:
         return replay_fleet([Replay(d, costs, states, batch) for d in drafters], records,
                             Path(shared))
@@ -565,7 +639,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verify-cost", help="a verify_cost results JSON: each step costs its "
                         "measured time for that many draft tokens instead of a linear cost")
     parser.add_argument("--tree-verify-cost", help="the same for steps verifying a tree "
-                        "(benchmarks/gpu_check.py measures both); needs --verify-cost")
+                        "(benchmarks/gpu_check.py measures both; with it every config's steps "
+                        "are modelled in vLLM's CUDA-graph modes); needs --verify-cost")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests decoding at once (records join as others finish)")
     parser.add_argument("--replicas", default="1",

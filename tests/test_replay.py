@@ -10,8 +10,9 @@ import pytest
 
 from benchmarks.peers import NgramPeer, SuffixPeer
 from benchmarks.replay import (
-    PLAIN_STEP_NS, Replay, Request, StepCosts, build_proposer, expand_grid, fake_vllm_config,
-    main, measured_step_costs, replay_config, replay_fleet)
+    PLAIN_STEP_NS, CudaGraphs, Replay, Request, StepCosts, build_proposer, cuda_graphs,
+    expand_grid, fake_vllm_config, main, measured_step_costs, piecewise_step_costs,
+    replay_config, replay_fleet)
 from vllm_retrieval_spec.config import VLLM_CPU_DEFAULTS, parse_speculative_config
 from vllm_retrieval_spec.contract import Capabilities, MethodDrafter
 from vllm_retrieval_spec.drafting.tree import TreeDraft
@@ -137,19 +138,66 @@ def test_a_tree_accepts_its_longest_root_path_along_the_output():
     assert trace == [[[5, 6, 9, 7]], [[31, 32]], [[]]]
     assert result["tokens_per_forward"] == round(6 / 3, 3)
     assert result["mean_draft_len"] == (4 + 2) / 2
-    # Measured costs: a tree config runs every step in the tree curve's CUDA-graph mode, which
-    # adds 0.5 at no draft: the prefill and the chain step (2 tokens) cost the chain curve plus
-    # that, the tree step (4 nodes, 2 after its leading chain) the tree curve; against the
-    # chain curve's draftless step (plain decoding).
+    # Measured costs: a tree config runs every step PIECEWISE, which adds 0.5 to the chain's
+    # full graph: the tree step (4 nodes, 2 after its leading chain) costs the tree curve, the
+    # chain step (2 tokens) a piecewise chain of 3, the next capture size (4 tokens) less its
+    # root, and the prefill a plain step; against the chain's draftless step (plain decoding).
     chain_curve, tree_curve = [10.0, 11.0, 12.0, 13.0, 14.0], [10.5, 11.0, 13.0, 16.0, 20.0]
+    piecewise = [ms + 0.5 for ms in chain_curve]
+    costs = StepCosts(0.1, chain_curve, tree_curve, piecewise,
+                      CudaGraphs(4, full_at_k=False, rounded=False))
     timed, _ = replay(with_method(Scripted(draft, trees=True), num_speculative_tokens=4),
-                      [{"prompt": [1], "output": output}],
-                      StepCosts(0.1, chain_curve, tree_curve))
-    assert timed["modeled_speedup"] == round(6 / (10.5 / 10 + 20 / 10 + 12.5 / 10), 3)
-    costs = StepCosts(0.1, chain_curve, tree_curve)
+                      [{"prompt": [1], "output": output}], costs)
+    assert timed["modeled_speedup"] == round(6 / (1 + 20 / 10 + 13.5 / 10), 3)
     assert (costs.units(4, tree_rows=True), costs.units(4)) == (2.0, 1.45)
+    # Without CUDA graphs (a CPU curve) a tree step costs the tree curve, others the chain's.
+    costs = StepCosts(0.1, chain_curve, tree_curve)
+    assert (costs.units(3, tree_rows=True), costs.units(3)) == (1.6, 1.3)
     with pytest.raises(ValueError, match="needs the chain's"):
         StepCosts(0.1, None, tree_curve)
+    with pytest.raises(ValueError, match="piecewise curve"):
+        StepCosts(0.1, chain_curve, graphs=CudaGraphs(4))
+
+
+def test_cuda_graphs_cost_a_full_graph_only_for_a_draft_of_k_tokens():
+    """vLLM 0.32 replays a full graph only for a uniform batch (every row verifying k draft
+    tokens); other steps run PIECEWISE, on Model Runner V1 (suffix) at k + 1 tokens whatever
+    the draft, as its capture sizes are rounded to that; on V2 (ngram) at the next capture
+    size."""
+    chain = [10.0 + d for d in range(17)]
+    piecewise = [ms + 0.5 for ms in chain]
+    v1 = StepCosts(0.0, chain, None, piecewise, CudaGraphs(16))
+    assert [v1.units(d) for d in (0, 3, 15, 16)] == [2.65, 2.65, 2.65, 2.6]
+    v2 = StepCosts(0.0, chain, None, piecewise, CudaGraphs(16, rounded=False))
+    # 1 + d tokens padded to 1, 2, 4, 8, 16, 17 (k + 1).
+    assert [v2.units(d) for d in (0, 1, 2, 3, 8, 15, 16)] == [
+        1.05, 1.15, 1.35, 1.35, 2.55, 2.55, 2.6]
+    assert [CudaGraphs(64, rounded=False).piecewise_len(d) for d in (60, 63, 64)] == [63, 63, 64]
+    assert CudaGraphs(80, rounded=False).piecewise_len(70) == 71
+    assert cuda_graphs(SuffixPeer({}, 1024)) == CudaGraphs(24)
+    assert cuda_graphs(NgramPeer({"num_speculative_tokens": 5}, 1024)) == CudaGraphs(
+        5, rounded=False)
+    # Ours run PIECEWISE only, chains and trees (patches.engine_args.piecewise_cuda_graphs).
+    for trees in (False, True):
+        ours = with_method(Scripted(lambda context: np.zeros(2, dtype=np.int32), trees=trees),
+                           num_speculative_tokens=6)
+        assert cuda_graphs(ours) == CudaGraphs(6, full_at_k=False, rounded=False)
+
+
+def test_the_piecewise_curve_is_measured_else_the_modes_difference_at_no_draft(tmp_path):
+    def curve(path, table, piecewise=None):
+        path.write_text(json.dumps({"rows": [
+            {"context_tokens": 512, "draft_len": d, "ms_per_step_median": ms,
+             **({"piecewise_ms_median": piecewise[d]} if piecewise else {})}
+            for d, ms in table.items()]}))
+        return str(path)
+
+    chain = curve(tmp_path / "chain.json", {0: 7.0, 4: 8.0})
+    tree = curve(tmp_path / "tree.json", {0: 7.5, 4: 9.5})
+    assert piecewise_step_costs(chain, tree, 2) == [7.5, 7.75, 8.0]
+    assert piecewise_step_costs(chain, None, 2) is None
+    measured = curve(tmp_path / "measured.json", {0: 7.0, 4: 8.0}, {0: 7.2, 4: 8.4})
+    assert piecewise_step_costs(measured, tree, 2) == pytest.approx([7.2, 7.5, 7.8])
 
 
 def test_expand_grid():
