@@ -16,7 +16,9 @@ here imports vLLM, and the product is reached only through ``vllm_retrieval_spec
   8B- and a 135M-shaped Llama with random weights. ``chain``: the backend's causal attention;
   ``tree``: the same, then our paged kernel recomputing the tree rows after the leading chain,
   as the CUDA wrapper does. Timed as CUDA graphs as vLLM replays them (chains whole, trees
-  piecewise with attention eager, the mode trees put vLLM in) and eagerly.
+  piecewise with attention eager, the mode trees put vLLM in), chains at batch 1 also
+  piecewise (the mode of vLLM's steps whose rows do not all verify num_speculative_tokens),
+  and eagerly.
 - ``tree_profile``: where a tree step's time goes beyond a chain's of as many tokens: every
   kernel's device time (torch.profiler) in one verify forward of each, the 8B model, batch 1,
   the shortest context, the longest draft.
@@ -779,34 +781,40 @@ class StepCostRun:
             eager_logits = forward()
         eager = times_ms(forward, plan.repeats, plan.cuda)
         row.update(eager_ms_median=median(eager))
-        timed, timing = eager, "eager"
-        if shape in self.piecewise_shapes:
+        # Both graph modes where they capture: vLLM replays a chain as one full graph only
+        # when every row verifies num_speculative_tokens, else piecewise (replay.CudaGraphs).
+        graphs: dict[str, list[float]] = {}
+        errors: list[float] = []
+        for timing, shapes, capture, replayer in (
+                ("cuda-graph-piecewise", self.piecewise_shapes, capture_pieces,
+                 lambda pieces: pieces.replay),
+                ("cuda-graph", self.graph_shapes, capture_whole, lambda graph: graph.replay)):
+            if shape not in shapes or (timing == "cuda-graph-piecewise" and shape == "chain"
+                                       and batch > 1):
+                continue
             try:
-                timed, row["graph_vs_eager_max_abs"] = time_graph(
-                    forward, eager_logits, plan.repeats, capture_pieces,
-                    lambda pieces: pieces.replay)
-                timing = "cuda-graph-piecewise"
+                graphs[timing], error = time_graph(forward, eager_logits, plan.repeats,
+                                                   capture, replayer)
+                errors.append(error)
             except Exception:
-                # Then the full graph's time, as for a chain (and for the later ones).
-                self.piecewise_shapes.discard(shape)
-                key = f"{self.model_name} {shape} piecewise"
+                # A forward that cannot be captured is timed otherwise, and so are the later
+                # ones of its shape in that mode.
+                shapes.discard(shape)
+                key = f"{self.model_name} {shape} {timing}"
                 self.result["graph_errors"][key] = traceback.format_exc()[-2000:]
                 log(self.result["graph_errors"][key])
-        if shape in self.graph_shapes:
-            try:
-                full, error = time_graph(forward, eager_logits, plan.repeats)
-                if timing == "eager":
-                    timed, timing = full, "cuda-graph"
-                    row["graph_vs_eager_max_abs"] = error
-                else:
-                    row["full_graph_ms_median"] = median(full)
-            except Exception:
-                # A forward that cannot be captured is timed eagerly, and so are the later
-                # ones of its shape (eager_ms_median compares chains with trees then).
-                self.graph_shapes.discard(shape)
-                key = f"{self.model_name} {shape}"
-                self.result["graph_errors"][key] = traceback.format_exc()[-2000:]
-                log(self.result["graph_errors"][key])
+        # A tree's curve is piecewise, the mode vLLM runs in while trees are on; a chain's the
+        # full graph; the other mode's median beside it.
+        preferred = ("cuda-graph-piecewise", "cuda-graph") if shape == "tree" else \
+            ("cuda-graph", "cuda-graph-piecewise")
+        timing = next((t for t in preferred if t in graphs), "eager")
+        timed = graphs.get(timing, eager)
+        if errors:
+            row["graph_vs_eager_max_abs"] = max(errors)
+        for other, key in (("cuda-graph", "full_graph_ms_median"),
+                           ("cuda-graph-piecewise", "piecewise_ms_median")):
+            if other in graphs and other != timing:
+                row[key] = median(graphs[other])
         row.update(ms_per_step_median=median(timed), ms_per_step=[round(t, 4) for t in timed],
                    timing=timing)
         return row
@@ -863,10 +871,12 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
                       save: Callable[[], None]) -> None:
     result.update(
         timing=("ms_per_step: CUDA-graph replays as vLLM replays them: chains as one full "
-                "graph (timing cuda-graph), trees piecewise (cuda-graph-piecewise: graphs "
-                "between the attention layers, attention eager, the mode vLLM runs in while "
-                "trees are on; full_graph_ms_median beside it), else whole, else eager; "
-                "eager_ms_median beside them. Medians of "
+                "graph (timing cuda-graph; at batch 1 piecewise_ms_median beside it, the mode "
+                "of every chain step whose rows do not all verify num_speculative_tokens), "
+                "trees piecewise (cuda-graph-piecewise: graphs between the attention layers, "
+                "attention eager, the mode vLLM runs in while trees are on; "
+                "full_graph_ms_median beside it), else whole, else eager; eager_ms_median "
+                "beside them. Medians of "
                 f"{plan.repeats} repeats after {plan.warmup} warm-up forwards.")
         if plan.cuda else "wall clock on CPU under the Triton interpreter: meaningless",
         method=("Random-weight LlamaForCausalLM, all layers timed. The context is prefilled "
@@ -887,7 +897,7 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
             # Each model starts with graphs: one that failed to capture for another does not
             # make this one's curves eager.
             run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
-                              {"tree"} if plan.cuda else set(), shape.name)
+                              {"chain", "tree"} if plan.cuda else set(), shape.name)
             try:
                 finished = measure_model(run, shape, save)
             except Exception:
@@ -1098,8 +1108,10 @@ def extract(results: Path, model: str, shape: str, batch: int, context: int | No
               if (b["model"], b["shape"], b["batch"]) == (model, shape, batch)]
     if not blocks:
         raise SystemExit(f"{results}: no {shape} curve of {model} at batch {batch}")
+    # A chain's piecewise medians where measured: replay models vLLM's piecewise steps with
+    # them (piecewise_step_costs).
     rows = [{k: row[k] for k in ("context_tokens", "draft_len", "ms_per_step_median",
-                                 "ms_per_step")}
+                                 "ms_per_step", "piecewise_ms_median") if k in row}
             for row in blocks[0]["rows"] if context in (None, row["context_tokens"])]
     if not rows:
         raise SystemExit(f"{results}: no rows at context {context}")

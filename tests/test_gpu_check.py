@@ -321,6 +321,54 @@ def test_each_model_starts_with_graphs_of_its_own(monkeypatch):
                       for shape, graphs in zip(("chain", "chain", "tree", "tree"), seen)]
 
 
+def test_each_shape_keeps_its_own_graph_mode_and_the_other_beside_it(monkeypatch):
+    """A chain's curve is its full graph's, with its piecewise time beside it at batch 1 (the
+    mode of vLLM's steps whose rows do not all verify num_speculative_tokens); a tree's is
+    piecewise, the full graph's beside it; a mode that fails to capture is left for the later
+    forwards of its shape, and the other mode is the curve's."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from benchmarks import gpu_check
+    from benchmarks.gpu_check import TINY, Caches, build_model, capture_pieces
+    from vllm_retrieval_spec.kernels.paged_tree_attention import (
+        paged_tree_attention_reference,
+    )
+
+    def time_graph(forward, eager_logits, repeats, capture=None, replayer=None):
+        if capture is capture_pieces:
+            if forward.step.trees is None and len(forward.step.parents) == 2:
+                raise RuntimeError("capture failed")
+            return [2.0] * repeats, 0.5
+        return [1.0] * repeats, 0.25
+
+    monkeypatch.setattr(gpu_check, "time_graph", time_graph)
+    # The tree rows' kernel needs Triton's interpreter, which this process has not got: the
+    # reference computes them (the modes are under test here, not the kernel).
+    monkeypatch.setattr(gpu_check, "paged_tree_attention", paged_tree_attention_reference)
+    plan = TINY_PLAN
+    result = {"graph_errors": {}}
+    run = StepCostRun(plan, result, time.monotonic() + 600, {"chain", "tree"},
+                      {"chain", "tree"}, "tiny")
+    with torch.inference_mode():
+        model = build_model(TINY, plan)
+        caches = Caches.allocate(TINY, 2, 64, plan)
+        rows = {(shape, batch, n): run.measure(model, caches, shape, batch, 32, n)
+                for shape in ("chain", "tree") for batch in (1, 2) for n in (1, 2, 4)}
+    chain = rows["chain", 1, 1]
+    assert (chain["timing"], chain["ms_per_step_median"], chain["piecewise_ms_median"],
+            chain["graph_vs_eager_max_abs"]) == ("cuda-graph", 1.0, 2.0, 0.5)
+    assert "piecewise_ms_median" not in rows["chain", 2, 1]
+    # The chain of 2 failed to capture piecewise: no piecewise time from then on.
+    assert ["piecewise_ms_median" in rows["chain", 1, n] for n in (1, 2, 4)] == [
+        True, False, False]
+    assert list(result["graph_errors"]) == ["tiny chain cuda-graph-piecewise"]
+    tree = rows["tree", 1, 4]
+    assert (tree["timing"], tree["ms_per_step_median"], tree["full_graph_ms_median"]) == (
+        "cuda-graph-piecewise", 2.0, 1.0)
+    assert "piecewise_ms_median" not in tree
+
+
 def test_a_curve_that_mixes_timings_is_not_extracted(tmp_path):
     """After a capture failed part way through a curve, its later rows were timed eagerly:
     replay must not take them for one curve; a context timed one way still extracts."""
