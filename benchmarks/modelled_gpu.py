@@ -50,11 +50,13 @@ def chain_calibration(path: str) -> dict[str, float | int]:
 
 
 def method_configs(k: int, tree_k: int, datastores: list[str]) -> dict[str, dict]:
-    """The rows' names and speculative configs: vLLM's two, then ours; per datastore also
-    ``rest`` on it and ``hybrid`` with it among its sources (``rest:NAME``, ``hybrid:NAME``, as
-    ``vllm-rsd bench`` names the rows)."""
+    """The rows' names and speculative configs: vLLM's two, and ``suffix`` with PIECEWISE
+    graphs set by hand (``suffix/piecewise``: its default pads each step to 25 tokens), then
+    ours; per datastore also ``rest`` on it and ``hybrid`` with it among its sources
+    (``rest:NAME``, ``hybrid:NAME``, as ``vllm-rsd bench`` names the rows)."""
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": k},
                "suffix": {"method": "suffix"},
+               "suffix/piecewise": {"method": "suffix", "cudagraph_mode": "PIECEWISE"},
                "pld": {"method": "pld", "num_speculative_tokens": k}}
     for datastore in datastores:
         configs[f"rest:{Path(datastore).name}"] = {"method": "rest", "num_speculative_tokens": k,

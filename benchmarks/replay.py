@@ -164,13 +164,24 @@ class CudaGraphs:
         return min(s for s in (*CAPTURE_SIZES, self.k + 1) if s > draft_len) - 1
 
 
-def cuda_graphs(drafter: Any) -> CudaGraphs:
-    """The CUDA graphs vLLM 0.32 runs ``drafter``'s steps in (``CudaGraphs``)."""
-    if isinstance(drafter, SuffixPeer):
-        return CudaGraphs(drafter.k)
-    if isinstance(drafter, NgramPeer):
-        return CudaGraphs(drafter.k, rounded=False)
-    return CudaGraphs(drafter.k, full_at_k=False, rounded=False)
+#: A replay config's key for vLLM's ``-cc.cudagraph_mode`` (not a speculative_config key).
+CUDAGRAPH_MODE = "cudagraph_mode"
+
+
+def cuda_graphs(drafter: Any, mode: str | None = None) -> CudaGraphs:
+    """The CUDA graphs vLLM 0.32 runs ``drafter``'s steps in (``CudaGraphs``), in cudagraph
+    ``mode`` as given to vLLM; None, its default: FULL_AND_PIECEWISE for vLLM's methods,
+    PIECEWISE for ours (the plugin's)."""
+    vllms = isinstance(drafter, (SuffixPeer, NgramPeer))
+    mode = mode or ("FULL_AND_PIECEWISE" if vllms else "PIECEWISE")
+    if mode == "PIECEWISE":
+        return CudaGraphs(drafter.k, full_at_k=False, rounded=False)
+    if mode != "FULL_AND_PIECEWISE":
+        raise ValueError(f"{CUDAGRAPH_MODE} {mode!r} is not modelled: PIECEWISE or "
+                         "FULL_AND_PIECEWISE")
+    if drafter.capabilities.trees:
+        raise ValueError(f"trees run PIECEWISE only (the plugin refuses {mode})")
+    return CudaGraphs(drafter.k, rounded=not isinstance(drafter, NgramPeer))
 
 
 @dataclass(frozen=True)
@@ -535,7 +546,10 @@ def replay_config(options: dict[str, Any], records: list[dict[str, Any]],
                   verify_cost: str | None = None, batch: int = 1,
                   tree_verify_cost: str | None = None, replicas: int = 1) -> dict[str, Any]:
     """One config over ``records`` with fresh drafters, the records dealt round-robin to
-    ``replicas`` of them (``replay_fleet``); their summary."""
+    ``replicas`` of them (``replay_fleet``); their summary. ``options`` may also name vLLM's
+    ``cudagraph_mode``, which GPU curves are read in (``cuda_graphs``)."""
+    options = dict(options)
+    mode = options.pop(CUDAGRAPH_MODE, None)
     max_model_len = max([MAX_MODEL_LEN] + [len(r["prompt"]) + len(r["output"]) + 1
                                            for r in records])
     drafters: list[Any] = []
@@ -543,21 +557,30 @@ def replay_config(options: dict[str, Any], records: list[dict[str, Any]],
         for _ in range(replicas):
             drafter, draft_token_cost = make_drafter(options, platform, states, max_model_len)
             drafters.append(drafter)
+        costs = step_costs(drafters[0], draft_token_cost, verify_cost, tree_verify_cost, mode)
     except BaseException:
         for drafter in drafters:
             drafter.close()
         raise
-    k = drafters[0].k
-    trees = drafters[0].capabilities.trees
-    piecewise = piecewise_step_costs(verify_cost, tree_verify_cost, k) if verify_cost else None
-    costs = StepCosts(draft_token_cost,
-                      measured_step_costs(verify_cost, k) if verify_cost else None,
-                      measured_step_costs(tree_verify_cost, k)
-                      if tree_verify_cost and trees else None,
-                      piecewise, cuda_graphs(drafters[0]) if piecewise is not None else None)
     with tempfile.TemporaryDirectory(prefix="replay-fleet-") as shared:
         return replay_fleet([Replay(d, costs, states, batch) for d in drafters], records,
                             Path(shared))
+
+
+def step_costs(drafter: Any, draft_token_cost: float, verify_cost: str | None,
+               tree_verify_cost: str | None, mode: str | None) -> StepCosts:
+    """``drafter``'s ``StepCosts``: modelled, else the measured curves, in vLLM's CUDA graphs
+    (cudagraph ``mode``) where they are a GPU's."""
+    k, trees = drafter.k, drafter.capabilities.trees
+    piecewise = piecewise_step_costs(verify_cost, tree_verify_cost, k) if verify_cost else None
+    if piecewise is None and mode is not None:
+        raise ValueError(f"{CUDAGRAPH_MODE} needs a GPU's curves (--verify-cost and "
+                         "--tree-verify-cost from benchmarks/gpu_check.py)")
+    return StepCosts(draft_token_cost,
+                     measured_step_costs(verify_cost, k) if verify_cost else None,
+                     measured_step_costs(tree_verify_cost, k)
+                     if tree_verify_cost and trees else None,
+                     piecewise, cuda_graphs(drafter, mode) if piecewise is not None else None)
 
 
 #: A fleet's journals in replay hold the records' token ids; no tokenizer to name.

@@ -47,12 +47,12 @@ def test_every_method_beside_suffix_per_task(tmp_path):
                                              "draft_budget_ms": 0.7}
     assert [(r["task"], r["method"]) for r in results["rows"]] == [
         (task, method) for task in ("chat", "code-gen")
-        for method in ("ngram", "suffix", "pld", "hybrid", "hybrid/tree")]
+        for method in ("ngram", "suffix", "suffix/piecewise", "pld", "hybrid", "hybrid/tree")]
     for row in results["rows"]:
         assert row["prompts"] == 2 and row["tokens_per_forward"] >= 1.0 and row["draft_us_p50"] > 0
         # Drafting adds to the steps' time; ours make drafts ahead (the accelerator's default).
         assert 0 < row["modeled_speedup_with_drafting"] <= row["modeled_speedup"]
-        assert (row["ahead_used"] is None) == (row["method"] in ("ngram", "suffix"))
+        assert (row["ahead_used"] is None) == row["method"].startswith(("ngram", "suffix"))
         if row["method"] == "suffix":
             assert row["vs_suffix"] == 1.0
     # The repeated phrase is drafted from the context: pld beats a step per token.
@@ -84,8 +84,8 @@ def test_a_datastore_adds_rest_and_hybrid_with_it(tmp_path, code_datastore, toke
           "--datastore", code_datastore])
     rows = {r["method"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
     name = Path(code_datastore).name
-    assert list(rows) == ["ngram", "suffix", "pld", f"rest:{name}", "hybrid", "hybrid/tree",
-                          f"hybrid:{name}", f"hybrid:{name}/tree"]
+    assert list(rows) == ["ngram", "suffix", "suffix/piecewise", "pld", f"rest:{name}", "hybrid",
+                          "hybrid/tree", f"hybrid:{name}", f"hybrid:{name}/tree"]
     assert rows[f"hybrid:{name}/tree"]["config"]["datastore"] == code_datastore
     assert rows[f"hybrid:{name}"]["tokens_per_forward"] > rows["hybrid"]["tokens_per_forward"]
 

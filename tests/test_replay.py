@@ -177,11 +177,44 @@ def test_cuda_graphs_cost_a_full_graph_only_for_a_draft_of_k_tokens():
     assert cuda_graphs(SuffixPeer({}, 1024)) == CudaGraphs(24)
     assert cuda_graphs(NgramPeer({"num_speculative_tokens": 5}, 1024)) == CudaGraphs(
         5, rounded=False)
-    # Ours run PIECEWISE only, chains and trees (patches.engine_args.piecewise_cuda_graphs).
+    # Ours run PIECEWISE unless told otherwise (patches.engine_args.piecewise_cuda_graphs).
     for trees in (False, True):
         ours = with_method(Scripted(lambda context: np.zeros(2, dtype=np.int32), trees=trees),
                            num_speculative_tokens=6)
         assert cuda_graphs(ours) == CudaGraphs(6, full_at_k=False, rounded=False)
+    assert cuda_graphs(ours, "PIECEWISE") == CudaGraphs(6, full_at_k=False, rounded=False)
+    with pytest.raises(ValueError, match="trees run PIECEWISE only"):
+        cuda_graphs(ours, "FULL_AND_PIECEWISE")
+    chains = with_method(Scripted(lambda context: np.zeros(2, dtype=np.int32)),
+                         num_speculative_tokens=6)
+    assert cuda_graphs(chains, "FULL_AND_PIECEWISE") == CudaGraphs(6)
+    assert cuda_graphs(SuffixPeer({}, 1024), "PIECEWISE") == CudaGraphs(
+        24, full_at_k=False, rounded=False)
+    with pytest.raises(ValueError, match="'FULL' is not modelled"):
+        cuda_graphs(chains, "FULL")
+
+
+def test_a_config_names_the_cudagraph_mode_its_gpu_curves_are_read_in(tmp_path):
+    """vLLM's suffix at its default mode computes 25 tokens a step; set PIECEWISE, only what
+    each draft needs: on a curve where tokens cost, it models faster."""
+    def curve(path, per_token):
+        path.write_text(json.dumps({"rows": [
+            {"context_tokens": 512, "draft_len": d, "ms_per_step_median": 10.0 + per_token * d}
+            for d in (0, 64)]}))
+        return str(path)
+
+    chain, tree = curve(tmp_path / "chain.json", 0.1), curve(tmp_path / "tree.json", 0.2)
+    record = {"prompt": [1, 2], "output": list(range(100, 160))}
+    records = [record, record]
+    default = replay_config({"method": "suffix"}, records, VLLM_CPU_DEFAULTS,
+                            verify_cost=chain, tree_verify_cost=tree)
+    piecewise = replay_config({"method": "suffix", "cudagraph_mode": "PIECEWISE"}, records,
+                              VLLM_CPU_DEFAULTS, verify_cost=chain, tree_verify_cost=tree)
+    assert default["tokens_per_forward"] == piecewise["tokens_per_forward"]
+    assert piecewise["modeled_speedup"] > default["modeled_speedup"]
+    with pytest.raises(ValueError, match="cudagraph_mode needs a GPU's curves"):
+        replay_config({"method": "suffix", "cudagraph_mode": "PIECEWISE"}, records,
+                      VLLM_CPU_DEFAULTS, verify_cost=chain)
 
 
 def test_the_piecewise_curve_is_measured_else_the_modes_difference_at_no_draft(tmp_path):
