@@ -268,9 +268,12 @@ def gpu_clocks() -> dict[str, str]:
 # --- Timing --------------------------------------------------------------------------------
 
 
-def times_ms(fn: Callable[[], object], repeats: int, cuda: bool) -> list[float]:
+def times_ms(fn: Callable[[], object], repeats: int, cuda: bool,
+             host: list[float] | None = None) -> list[float]:
     """Each call's time: CUDA events around it on a GPU (what the device spent from its start
-    to its end, idle waits for the host included), the wall clock on CPU."""
+    to its end, idle waits for the host included), the wall clock on CPU. ``host`` gets the
+    host's mean time a call on a GPU, issuing without waiting: near the device's, the step is
+    host-bound."""
     if not cuda:
         times = []
         for _ in range(repeats):
@@ -281,11 +284,15 @@ def times_ms(fn: Callable[[], object], repeats: int, cuda: bool) -> list[float]:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(repeats)]
     torch.cuda.synchronize()
+    begin = time.perf_counter()
     for start, end in events:
         start.record()
         fn()
         end.record()
+    issued = time.perf_counter()
     torch.cuda.synchronize()
+    if host is not None:
+        host.append(round((issued - begin) * 1e3 / repeats, 4))
     return [start.elapsed_time(end) for start, end in events]
 
 
@@ -779,7 +786,8 @@ class StepCostRun:
             row.update(tree_rows(forward, plan))
         for _ in range(plan.warmup):
             eager_logits = forward()
-        eager = times_ms(forward, plan.repeats, plan.cuda)
+        host: dict[str, list[float]] = {"eager": []}
+        eager = times_ms(forward, plan.repeats, plan.cuda, host["eager"])
         row.update(eager_ms_median=median(eager))
         # Both graph modes where they capture: vLLM replays a chain as one full graph only
         # when every row verifies num_speculative_tokens, else piecewise (replay.CudaGraphs).
@@ -794,7 +802,7 @@ class StepCostRun:
                 continue
             try:
                 graphs[timing], error = time_graph(forward, eager_logits, plan.repeats,
-                                                   capture, replayer)
+                                                   capture, replayer, host.setdefault(timing, []))
                 errors.append(error)
             except Exception:
                 # A forward that cannot be captured is timed otherwise, and so are the later
@@ -803,8 +811,8 @@ class StepCostRun:
                 key = f"{self.model_name} {shape} {timing}"
                 self.result["graph_errors"][key] = traceback.format_exc()[-2000:]
                 log(self.result["graph_errors"][key])
-        # A tree's curve is piecewise, the mode vLLM runs in while trees are on; a chain's the
-        # full graph; the other mode's median beside it.
+        # A tree's curve is piecewise, the only mode trees run in; a chain's the full graph
+        # (vLLM's methods at a k-token draft); the other mode's median beside it.
         preferred = ("cuda-graph-piecewise", "cuda-graph") if shape == "tree" else \
             ("cuda-graph", "cuda-graph-piecewise")
         timing = next((t for t in preferred if t in graphs), "eager")
@@ -815,6 +823,10 @@ class StepCostRun:
                            ("cuda-graph-piecewise", "piecewise_ms_median")):
             if other in graphs and other != timing:
                 row[key] = median(graphs[other])
+        if plan.cuda:
+            # Host time a forward per mode: the piecewise tree curve was host-bound at some
+            # sizes on the H200 (benchmarks/results/gpu-check-h200.md).
+            row["host_ms_mean"] = {mode: times[0] for mode, times in host.items() if times}
         row.update(ms_per_step_median=median(timed), ms_per_step=[round(t, 4) for t in timed],
                    timing=timing)
         return row
@@ -854,7 +866,7 @@ def tree_rows(forward: Forward, plan: Plan) -> dict[str, Any]:
 def time_graph(forward: Forward, eager_logits: torch.Tensor, repeats: int,
                capture: Callable[[Forward, Any], tuple[Any, torch.Tensor]] | None = None,
                replayer: Callable[[Any], Callable[[], None]] = lambda graph: graph.replay,
-               ) -> tuple[list[float], float]:
+               host: list[float] | None = None) -> tuple[list[float], float]:
     """Replay times of the forward captured as a CUDA graph (by ``capture``, by default whole),
     and how far its logits are from the eager forward's (the same kernels on the same inputs:
     about 0). Each capture takes a pool of its own: a pool handle reused after the graphs
@@ -864,7 +876,7 @@ def time_graph(forward: Forward, eager_logits: torch.Tensor, repeats: int,
     replay = replayer(graph)
     replay()
     err = float((logits.float() - eager_logits.float()).abs().max())
-    return times_ms(replay, repeats, True), err
+    return times_ms(replay, repeats, True, host), err
 
 
 def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],

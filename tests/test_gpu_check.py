@@ -335,7 +335,7 @@ def test_each_shape_keeps_its_own_graph_mode_and_the_other_beside_it(monkeypatch
         paged_tree_attention_reference,
     )
 
-    def time_graph(forward, eager_logits, repeats, capture=None, replayer=None):
+    def time_graph(forward, eager_logits, repeats, capture=None, replayer=None, host=None):
         if capture is capture_pieces:
             if forward.step.trees is None and len(forward.step.parents) == 2:
                 raise RuntimeError("capture failed")
