@@ -10,19 +10,18 @@ vLLM's ``ngram`` and ``suffix`` in one run.
 ``context_tokens``, ``draft_len``, ``ms_per_step_median``); the curve of the shortest context is
 used. Steps cost what vLLM 0.32's CUDA graphs make them (``replay.CudaGraphs``): for ``suffix``
 and ``ngram`` a full graph (the chain curve) only for a draft of num_speculative_tokens, other
-steps PIECEWISE (attention eager: the chain curve plus what the mode adds at no draft, read off
-the tree curve, which is measured PIECEWISE), ``suffix``'s at num_speculative_tokens + 1 tokens
-whatever the draft (Model Runner V1 rounds its capture sizes to that); our methods run
-PIECEWISE throughout (the plugin's mode), their tree steps at the tree curve, our kernel only
-on tree rows. The
-chain curve is calibrated as ``vllm-rsd calibrate`` calibrates a machine
-(``calibrated_options``, over the lengths chains verify): those are the accelerator defaults the
-curve implies, and our methods are replayed with its ``draft_token_cost`` and ``min_draft_len``
-(replay has no time budget), so their drafting rules see the measured cost. Every row is
-modelled, not measured in an engine: tokens per forward from replay, time from the curves;
-``modeled_speedup_with_drafting`` adds the drafting each step waits for, timed by replay on the
-machine running it (``draft_us_critical_mean``), and ``ahead_used`` is the share of steps whose
-draft was made ahead.
+steps PIECEWISE (attention eager: the chain's piecewise times where measured, else the chain
+curve plus what the mode adds at no draft, read off the tree curve), ``suffix``'s at
+num_speculative_tokens + 1 tokens whatever the draft (Model Runner V1 rounds its capture sizes
+to that); our methods run PIECEWISE throughout (the plugin's mode), their tree steps at the tree
+curve, our kernel only on tree rows. The chain curve is calibrated as ``vllm-rsd calibrate``
+calibrates a machine (``calibrated_options``, over the lengths chains verify): those are the
+accelerator defaults the curve implies, and our methods are replayed with its
+``draft_token_cost`` and ``min_draft_len`` (replay has no time budget), so their drafting rules
+see the measured cost. Every row is modelled, not measured in an engine: tokens per forward from
+replay, time from the curves; ``modeled_speedup_with_drafting`` adds the drafting each step
+waits for, timed by replay on the machine running it (``draft_us_critical_mean``), and
+``ahead_used`` is the share of steps whose draft was made ahead.
 """
 
 from __future__ import annotations
@@ -142,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{calibrated['draft_token_cost']} and min_draft_len {calibrated['min_draft_len']}. "
             f"Steps cost what vLLM 0.32's CUDA graphs make them: for suffix and ngram a full "
             f"graph (the chain curve) only for a draft of num_speculative_tokens, else "
-            f"PIECEWISE (the chain curve plus what the mode adds at no draft), suffix's at "
+            f"PIECEWISE (the chain's piecewise times where measured, else the chain curve "
+            f"plus what the mode adds at no draft), suffix's at "
             f"num_speculative_tokens + 1 tokens whatever the draft (Model Runner V1 rounds its "
             f"capture sizes to that), ngram's (Model Runner V2) at the next capture size; ours "
             f"run PIECEWISE throughout (the plugin's mode), tree steps at the tree curve. "

@@ -24,16 +24,16 @@ requests, through the journals), vLLM's ``suffix`` learns from its own replica's
 Where replay is not the engine:
 - Time is simulated: a step takes the time of the draft length it verified, measured
   (``--verify-cost``) or 1 + ``draft_token_cost`` x d steps without a draft. ``pad_drafts``
-  learns from that clock as from the engine's, padding drafts to measure lengths first. A
-  GPU curve (``benchmarks/gpu_check.py``'s, with ``--tree-verify-cost``) is read as vLLM
-  0.32 replays CUDA graphs (``StepCosts``, ``CudaGraphs``): a full graph only for a draft of
-  num_speculative_tokens, else piecewise, and then, for vLLM's ``suffix`` and our chains,
-  at that many tokens whatever the draft; a tree step costs the tree curve, else a tree costs
-  what a chain of as many tokens does. With ``--batch`` each row costs what it would alone
-  (a batch's graph mode as a lone row's). The simulated clock leaves drafting out;
-  with a measured curve, ``modeled_speedup_with_drafting`` adds the part of it a step waits
-  for, timed on this machine. Drafts made ahead (``after_handover``) run to the end here,
-  where the engine stops them when the next forward is done and drafts the rest in
+  learns from that clock as from the engine's, padding drafts to measure lengths first. A GPU
+  curve (``benchmarks/gpu_check.py``'s, with ``--tree-verify-cost``) is read as vLLM 0.32
+  replays CUDA graphs (``StepCosts``, ``CudaGraphs``): for vLLM's methods a full graph only for
+  a draft of num_speculative_tokens, else piecewise, ``suffix``'s at k + 1 tokens whatever the
+  draft; ours piecewise throughout (a config's ``cudagraph_mode`` sets another); a tree step
+  costs the tree curve, else a tree costs what a chain of as many tokens does. With ``--batch``
+  each row costs what it would alone (a batch's graph mode as a lone row's). The simulated clock
+  leaves drafting out; with a measured curve, ``modeled_speedup_with_drafting`` adds the part of
+  it a step waits for, timed on this machine. Drafts made ahead (``after_handover``) run to the
+  end here, where the engine stops them when the next forward is done and drafts the rest in
   ``propose``: where they take longer than a forward, the engine waits for more.
 - Hidden states (``--model``) come from one transformers forward over the recorded sequence:
   the true prefix's states, also at rejected draft tokens (vLLM's would be a wrong token's
@@ -141,7 +141,8 @@ CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8))
 @dataclass(frozen=True)
 class CudaGraphs:
     """How vLLM 0.32 runs a decode step of one request verifying d of at most ``k`` draft
-    tokens, CUDA graphs on (its default mode, FULL_AND_PIECEWISE):
+    tokens in CUDA graphs; both flags hold in its default mode, FULL_AND_PIECEWISE, neither in
+    PIECEWISE:
     - ``full_at_k``: a k-token draft makes a uniform batch, which replays one full graph; any
       other step runs PIECEWISE (``gpu_model_runner._is_uniform_decode``: every row verifies
       k).
