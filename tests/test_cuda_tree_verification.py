@@ -406,6 +406,23 @@ def test_full_cuda_graphs_with_trees_are_refused_and_kept_for_chains(mode):
     assert chains.cudagraph_mode.name == mode
 
 
+def test_chains_keep_vllms_mode_under_a_compilation_without_piecewise_graphs():
+    # There vLLM would turn PIECEWISE into no graphs at all; trees still need it (then none).
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    from vllm_retrieval_spec.patches.engine_args import piecewise_cuda_graphs
+
+    chains = CompilationConfig(mode=CompilationMode.NONE)
+    piecewise_cuda_graphs(chains, trees=False)
+    assert chains.cudagraph_mode is None
+    compiled = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    piecewise_cuda_graphs(compiled, trees=False)
+    assert compiled.cudagraph_mode.name == "PIECEWISE"
+    trees = CompilationConfig(mode=CompilationMode.NONE)
+    piecewise_cuda_graphs(trees, trees=True)
+    assert trees.cudagraph_mode.name == "PIECEWISE"
+
+
 def test_piecewise_graphs_keep_capture_sizes_a_short_draft_fits():
     """With vLLM's default mode its Model Runner V1 rounds every capture size up to a multiple
     of num_speculative_tokens + 1, so a lone request's step runs k + 1 tokens whatever its

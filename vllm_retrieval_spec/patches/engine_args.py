@@ -119,13 +119,16 @@ def piecewise_cuda_graphs(compilation_config: Any, trees: bool) -> None:
       steps computes k + 1 tokens whatever its draft. Our drafts vary in length: PIECEWISE
       alone pads a step only to the next of the sizes 1, 2, 4, 8, 16, ... Modelled on the
       H200's step costs, hybrid's chains came out 5-10% faster so (docs/measurements.md).
-      An explicit mode is kept.
+      An explicit mode is kept, and so is vLLM's choice under a compilation mode without
+      piecewise graphs (``-cc.mode`` other than VLLM_COMPILE), where PIECEWISE would be none.
     - Trees: their rows are attended again by a wrapper of the attention backend's
       ``forward`` (``verification.cuda``), which a full graph's replay never calls; an
       explicit full mode is refused."""
-    from vllm.config.compilation import CUDAGraphMode
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     mode = compilation_config.cudagraph_mode
+    if not trees and compilation_config.mode not in (None, CompilationMode.VLLM_COMPILE):
+        return
     if mode is None:
         logger.info("retrieval drafts: CUDA graphs are piecewise (attention runs outside them)")
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
