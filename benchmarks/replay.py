@@ -118,18 +118,18 @@ def measured_step_costs(path: str, k: int, key: str = "ms_per_step_median") -> l
             else times[-1] + slope * (d - lengths[-1]) for d in range(k + 1)]
 
 
-def piecewise_step_costs(path: str, tree_path: str | None, k: int) -> list[float] | None:
+def piecewise_step_costs(path: str, chain: list[float], tree: list[float] | None
+                         ) -> list[float] | None:
     """A chain step's time run PIECEWISE (CUDA graphs between the attention layers, attention
-    eager), for 0..k draft tokens: the chain rows' ``piecewise_ms_median`` where
-    ``gpu_check`` measured it, else the chain's full-graph time plus what the mode adds at no
-    draft (the tree curve's first row, measured PIECEWISE, less the chain's); None without
-    either (a CPU curve: no CUDA graphs)."""
+    eager), for the draft lengths of ``chain`` (``path``'s full-graph curve): the chain rows'
+    ``piecewise_ms_median`` where ``gpu_check`` measured it, else ``chain`` plus what the mode
+    adds at no draft (``tree``'s first step, measured PIECEWISE, less the chain's); None
+    without either (a CPU curve: no CUDA graphs)."""
     if all("piecewise_ms_median" in row for row in shortest_context_rows(path)):
-        return measured_step_costs(path, k, "piecewise_ms_median")
-    if tree_path is None:
+        return measured_step_costs(path, len(chain) - 1, "piecewise_ms_median")
+    if tree is None:
         return None
-    chain = measured_step_costs(path, k)
-    mode = max(0.0, measured_step_costs(tree_path, 0)[0] - chain[0])
+    mode = max(0.0, tree[0] - chain[0])
     return [ms + mode for ms in chain]
 
 
@@ -572,15 +572,14 @@ def step_costs(drafter: Any, draft_token_cost: float, verify_cost: str | None,
                tree_verify_cost: str | None, mode: str | None) -> StepCosts:
     """``drafter``'s ``StepCosts``: modelled, else the measured curves, in vLLM's CUDA graphs
     (cudagraph ``mode``) where they are a GPU's."""
-    k, trees = drafter.k, drafter.capabilities.trees
-    piecewise = piecewise_step_costs(verify_cost, tree_verify_cost, k) if verify_cost else None
+    k = drafter.k
+    chain = measured_step_costs(verify_cost, k) if verify_cost else None
+    tree = measured_step_costs(tree_verify_cost, k) if tree_verify_cost else None
+    piecewise = piecewise_step_costs(verify_cost, chain, tree) if chain is not None else None
     if piecewise is None and mode is not None:
         raise ValueError(f"{CUDAGRAPH_MODE} needs a GPU's curves (--verify-cost and "
                          "--tree-verify-cost from benchmarks/gpu_check.py)")
-    return StepCosts(draft_token_cost,
-                     measured_step_costs(verify_cost, k) if verify_cost else None,
-                     measured_step_costs(tree_verify_cost, k)
-                     if tree_verify_cost and trees else None,
+    return StepCosts(draft_token_cost, chain, tree if drafter.capabilities.trees else None,
                      piecewise, cuda_graphs(drafter, mode) if piecewise is not None else None)
 
 

@@ -227,10 +227,11 @@ def test_the_piecewise_curve_is_measured_else_the_modes_difference_at_no_draft(t
 
     chain = curve(tmp_path / "chain.json", {0: 7.0, 4: 8.0})
     tree = curve(tmp_path / "tree.json", {0: 7.5, 4: 9.5})
-    assert piecewise_step_costs(chain, tree, 2) == [7.5, 7.75, 8.0]
-    assert piecewise_step_costs(chain, None, 2) is None
+    chain_ms, tree_ms = measured_step_costs(chain, 2), measured_step_costs(tree, 2)
+    assert piecewise_step_costs(chain, chain_ms, tree_ms) == [7.5, 7.75, 8.0]
+    assert piecewise_step_costs(chain, chain_ms, None) is None
     measured = curve(tmp_path / "measured.json", {0: 7.0, 4: 8.0}, {0: 7.2, 4: 8.4})
-    assert piecewise_step_costs(measured, tree, 2) == pytest.approx([7.2, 7.5, 7.8])
+    assert piecewise_step_costs(measured, chain_ms, tree_ms) == pytest.approx([7.2, 7.5, 7.8])
 
 
 def test_expand_grid():
