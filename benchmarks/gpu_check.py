@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import importlib.metadata
 import json
@@ -47,7 +48,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,12 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from benchmarks.kernel_timing import chain, retrieval_tree
-from vllm_retrieval_spec.kernels.launch import interpreting
+from vllm_retrieval_spec.kernels import tree_attention
+from vllm_retrieval_spec.kernels.launch import interpreting, multiprocessors
 from vllm_retrieval_spec.kernels.paged_tree_attention import (
+    PagedLaunch,
     PagedTreeBuffers,
+    paged_launch,
     paged_tree_attention,
     paged_tree_attention_reference,
     paged_trees,
@@ -83,6 +87,8 @@ PROJECTION_TOLERANCE = 2e-4
 TIME_LIMIT_S = 400.0
 #: The paged kernel's timing: calls per CUDA graph (an 8B model's layers), replays timed.
 CALLS_PER_GRAPH = 32
+#: A launch rule replaces the paged kernel's own only if its launches take this much less time.
+RULE_MARGIN = 0.02
 GRAPH_REPLAYS = 20
 #: Forwards profiled per shape by ``tree_profile``; its times are per forward.
 PROFILE_FORWARDS = 5
@@ -132,11 +138,19 @@ class Plan:
     kernel_contexts: tuple[int, ...]
     hidden_sizes: tuple[int, ...]
     paged_contexts: tuple[int, ...]
-    #: The paged kernel's launch choices timed, per context and tree size: (context splits,
-    #: rows per program), None for the kernel's default.
+    #: The paged kernel's launch rule, fitted to one batch-1 tree of each size at each context
+    #: (``fit_launch_rule``): the rows per program and least context tokens per split it may
+    #: take, every launch any pair of them makes timed; ``split_sms``: the multiprocessors
+    #: those launches are planned for (None: the device's).
     split_contexts: tuple[int, ...] = ()
     split_nodes: tuple[int, ...] = ()
-    split_choices: tuple[tuple[int | None, int | None], ...] = ()
+    split_block_ms: tuple[int, ...] = ()
+    split_min_tokens: tuple[int, ...] = ()
+    split_sms: int | None = None
+    #: ``paged_tree_attention``'s launch arguments in the step-cost and profile sections
+    #: (``block_m``, ``min_split_tokens``): the rule fitted by this run's paged_kernel section,
+    #: else the kernel's defaults.
+    tree_launch: tuple[tuple[str, int], ...] = ()
 
     @property
     def cuda(self) -> bool:
@@ -147,13 +161,14 @@ GPU_PLAN = Plan(torch.device("cuda"), torch.bfloat16, (LLAMA_3_8B, SMOLLM2_135M)
                 (512, 2048, 8192), (1, 8), (0, 1, 2, 4, 8, 16, 32, 64), warmup=3, repeats=25,
                 attention_shape=(32, 8, 128), kernel_contexts=(512, 4096),
                 hidden_sizes=(576, 4096), paged_contexts=(8192, 512, 2048, 1001),
-                split_contexts=(512, 2048, 8192), split_nodes=(16, 64),
-                split_choices=((None, None), *((s, m) for m in (16, 32, 64)
-                                               for s in (1, 2, 4, 8, 16))))
+                # The step-cost curve's contexts, the root's token included.
+                split_contexts=(513, 2049, 8193), split_nodes=(16, 64),
+                split_block_ms=(16, 32, 64), split_min_tokens=(64, 128, 256, 512, 1024, 2048))
 TINY_PLAN = Plan(torch.device("cpu"), torch.float32, (TINY,), (32, 64), (1, 2), (0, 1, 2, 4),
                  warmup=1, repeats=2, attention_shape=(4, 2, 16), kernel_contexts=(40,),
                  hidden_sizes=(96,), paged_contexts=(70, 16, 33, 1), split_contexts=(70,),
-                 split_nodes=(4,), split_choices=((None, None), (1, 16), (2, 32)))
+                 split_nodes=(4,), split_block_ms=(16, 32), split_min_tokens=(32, 1024),
+                 split_sms=4)
 
 
 # --- Tree shapes ---------------------------------------------------------------------------
@@ -361,7 +376,7 @@ class PagedCase:
     """One step's trees for the paged kernel: each tree's parents and cached context (root
     included). Every tree computes the rows after its leading chain unless ``whole`` (then all
     of them, the chain too); ``splits`` and ``block_m`` are the kernel's, or its defaults.
-    Values are drawn from N(0, ``value_scale``^2)."""
+    Values are drawn from N(0, ``value_scale``^2). ``sweep``: a launch the rule is fitted on."""
 
     name: str
     trees: tuple[tuple[list[int], int], ...]
@@ -369,9 +384,46 @@ class PagedCase:
     splits: int | None = None
     block_m: int | None = None
     value_scale: float = 1.0
+    sweep: bool = False
 
 
-def paged_cases(plan: Plan) -> list[PagedCase]:
+def default_rule(plan: Plan) -> dict[str, int]:
+    """The paged kernel's own launch rule for the plan's dtype."""
+    return {"block_m": (tree_attention.BLOCK_M_FP32 if plan.dtype == torch.float32
+                        else tree_attention.BLOCK_M),
+            "min_split_tokens": tree_attention.MIN_SPLIT_TOKENS}
+
+
+def rules(plan: Plan) -> list[dict[str, int]]:
+    """The launch rules the paged section times: ``split_block_ms`` x ``split_min_tokens`` and
+    the kernel's own, those that split least first."""
+    default = default_rule(plan)
+    return [{"block_m": block_m, "min_split_tokens": tokens}
+            for block_m in sorted({*plan.split_block_ms, default["block_m"]})
+            for tokens in sorted({*plan.split_min_tokens, default["min_split_tokens"]},
+                                 reverse=True)] if plan.split_block_ms else []
+
+
+def rule_launch(plan: Plan, sms: int, rule: dict[str, int], context: int,
+                nodes: int) -> PagedLaunch:
+    """How ``rule`` launches the paged kernel over one tree of ``nodes`` nodes."""
+    heads, kv_heads, _ = plan.attention_shape
+    return paged_launch(1, nodes, heads, kv_heads, context, plan.dtype, sms, **rule)
+
+
+def sweep_launches(plan: Plan, sms: int) -> list[tuple[int, int, int, int]]:
+    """``(context, nodes, splits, block_m)``: every launch any of :func:`rules` makes for one
+    tree of each size at each context, and each unsplit (the paged section's last cases)."""
+    launches = set()
+    for context in plan.split_contexts:
+        for nodes in plan.split_nodes:
+            for rule in rules(plan):
+                launches |= {(context, nodes, rule_launch(plan, sms, rule, context, nodes).splits,
+                              rule["block_m"]), (context, nodes, 1, rule["block_m"])}
+    return sorted(launches)
+
+
+def paged_cases(plan: Plan, sms: int) -> list[PagedCase]:
     c = plan.paged_contexts
     mixed = ((verify_tree(64), c[0]), (chain(16), c[1]), (retrieval_tree(33), c[2]),
              (verify_tree(2), c[3]))
@@ -386,13 +438,11 @@ def paged_cases(plan: Plan) -> list[PagedCase]:
         # bfloat16's rounding (1/256) is far inside the tolerance.
         PagedCase("two trees, short contexts", ((verify_tree(64), 17), (retrieval_tree(33), 40)),
                   value_scale=0.25),
-        # One request's tree, as a batch-1 step verifies it, at each launch choice: the
-        # kernel's own against the others, in device time.
-        *(PagedCase(f"verify-{n} @{context}, " + (f"splits {splits}, rows {block_m}"
-                                                  if splits else "default"),
-                    ((verify_tree(n), context),), splits=splits, block_m=block_m)
-          for context in plan.split_contexts for n in plan.split_nodes
-          for splits, block_m in plan.split_choices),
+        # One request's tree, as a batch-1 step verifies it, at each launch a rule may choose,
+        # in device time (fit_launch_rule).
+        *(PagedCase(f"verify-{n} @{context}, splits {splits}, rows {block_m}",
+                    ((verify_tree(n), context),), splits=splits, block_m=block_m, sweep=True)
+          for context, n, splits, block_m in sweep_launches(plan, sms)),
     ]
 
 
@@ -401,7 +451,8 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
     scale = head_dim ** -0.5
     g = torch.Generator(device=plan.device).manual_seed(1)
     checks = result["checks"] = []
-    for case in paged_cases(plan):
+    sms = plan.split_sms or multiprocessors(plan.device)
+    for case in paged_cases(plan, sms):
         parents = [p for p, _ in case.trees]
         contexts = [context for _, context in case.trees]
         blocks_per_row = math.ceil(max(contexts) / BLOCK_SIZE)
@@ -440,12 +491,16 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
         fields: dict[str, Any] = {
             "trees": rows, "nodes": [len(p) for p in parents], "contexts": contexts,
             "first": first, "rows_computed": int(computed.sum()),
-            "untouched_equal": bool(torch.equal(out[~computed], before[~computed]))}
+            "untouched_equal": bool(torch.equal(out[~computed], before[~computed])),
+            "launch": asdict(paged_launch(rows, max(map(len, parents)), heads, kv_heads,
+                                          max(contexts), plan.dtype, sms, **launch)),
+            "sweep": case.sweep}
         err = float((out[computed].float() - expected[computed].float()).abs().max())
         if plan.cuda:
             try:
-                fields["us"] = device_us_per_call(
-                    lambda: paged_tree_attention(*args, output=out, **launch))
+                call = functools.partial(paged_tree_attention, *args, output=out, **launch)
+                fields["us"] = device_us_per_call(call)
+                fields["host_us"] = host_us_per_call(call)
             except Exception:
                 # The check stands without its time.
                 fields["us_error"] = traceback.format_exc()[-1500:]
@@ -455,6 +510,51 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
         checks.append(row)
         save()
     result["ok"] = all(c["ok"] for c in checks)
+    rule = fit_launch_rule(checks, plan, sms)
+    if rule is not None:
+        result["launch_rule"] = rule
+        log(f"launch rule: {rule['chosen']}, {rule['us']} us over the swept trees "
+            f"(the kernel's defaults: {rule['defaults_us']} us)")
+
+
+def fit_launch_rule(checks: list[dict[str, Any]], plan: Plan, sms: int) -> dict[str, Any] | None:
+    """The rule (:func:`rules`) whose launches took the least device time in all over the
+    swept trees, of those whose every launch was timed; the kernel's own unless another saves
+    more than ``RULE_MARGIN`` of its time, and of equal times the one that splits least (fewer
+    launches, less host time a layer). None if no rule's launches were all timed."""
+    timed = {(c["contexts"][0], c["nodes"][0], c["launch"]["block_m"], c["launch"]["chunk"]):
+             c["us"] for c in checks if c.get("sweep") and c["ok"] and "us" in c}
+    trees = [(context, nodes) for context in plan.split_contexts for nodes in plan.split_nodes]
+    totals = []
+    for rule in rules(plan):
+        us = [timed.get((context, nodes, rule["block_m"],
+                         rule_launch(plan, sms, rule, context, nodes).chunk))
+              for context, nodes in trees]
+        if trees and None not in us:
+            totals.append({**rule, "us": round(sum(us), 2)})
+    if not totals:
+        return None
+    best = min(totals, key=lambda total: total["us"])
+    default = next((total for total in totals
+                    if total.items() >= default_rule(plan).items()), None)
+    if default is not None and best["us"] >= (1 - RULE_MARGIN) * default["us"]:
+        best = default
+    return {"chosen": {"block_m": best["block_m"], "min_split_tokens": best["min_split_tokens"]},
+            "us": best["us"], "defaults": default_rule(plan),
+            "defaults_us": default and default["us"], "trees": [list(t) for t in trees],
+            "rules": totals}
+
+
+def host_us_per_call(call: Callable[[], object]) -> float:
+    """The host's time to issue one call: ``CALLS_PER_GRAPH`` calls in a row, none waited for
+    (what a step's eager attention layers spend on the kernel's launch)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS_PER_GRAPH):
+        call()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return round(1e6 * (issued - start) / CALLS_PER_GRAPH, 2)
 
 
 def device_us_per_call(call: Callable[[], object]) -> float:
@@ -550,6 +650,8 @@ class Step:
     check: list[float] | None = None
     #: Set while the forward is captured piecewise: each attention layer ends a piece there.
     pieces: Pieces | None = None
+    #: ``paged_tree_attention``'s launch arguments (``Plan.tree_launch``).
+    tree_launch: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def make(cls, caches: Caches, rows: slice, start: int, tokens: int,
@@ -608,7 +710,7 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if step.trees is not None:
         paged_tree_attention(query.transpose(1, 2).flatten(0, 1), flat_key, flat_value,
                              key_cache, value_cache, caches.block_table, step.trees, scaling,
-                             output=out.flatten(0, 1))
+                             output=out.flatten(0, 1), **step.tree_launch)
         if step.check is not None and layer == 0:
             step.check.append(tree_rows_error(step, query, out, scaling))
     return out
@@ -777,7 +879,7 @@ class StepCostRun:
         """One row of a curve: verifying n draft tokens per sequence at this context."""
         plan = self.plan
         parents = chain(n) if shape == "chain" else verify_tree(n)
-        forward = verify_forward(model, caches, parents, batch, context, plan.device)
+        forward = verify_forward(model, caches, parents, batch, context, plan)
         row: dict[str, Any] = {"context_tokens": context, "draft_len": n}
         if shape == "tree":
             row.update(tree_depth=max(node_depths(parents), default=0),
@@ -833,11 +935,13 @@ class StepCostRun:
 
 
 def verify_forward(model: torch.nn.Module, caches: Caches, parents: list[int], batch: int,
-                   context: int, device: torch.device) -> Forward:
+                   context: int, plan: Plan) -> Forward:
     """Sequences 0 .. batch - 1 each verify their root and the draft ``parents`` (a chain or a
     tree) at cache positions ``context ..``; a node's rotary position is the root's plus its
-    depth, as the tree verifier sets it."""
+    depth, as the tree verifier sets it. Tree rows are launched as ``plan.tree_launch`` says."""
+    device = plan.device
     step = Step.make(caches, slice(0, batch), context, 1 + len(parents), parents, device)
+    step.tree_launch = dict(plan.tree_launch)
     depths = torch.tensor([0, *node_depths(parents)], device=device)
     # Drawn on the host: a capture that fails part way can leave the device's generator
     # unusable, and every later configuration would fail with it.
@@ -902,6 +1006,7 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
                 "later: their values change, not the cost. Not in ms_per_step: building the "
                 "step's PagedTrees (once per step, host time: trees_build_ms_median)."),
         models={m.name: asdict(m) for m in plan.models}, dtype=str(plan.dtype),
+        tree_launch=dict(plan.tree_launch) or "the kernel's defaults",
         block_size=BLOCK_SIZE, blocks=[], truncated=False, errors=[], graph_errors={},
         sdpa_flash={m.name: sdpa_flash(m, plan) for m in plan.models})
     with torch.inference_mode():
@@ -1010,7 +1115,7 @@ def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
     shape, context, n = plan.models[0], min(plan.contexts), max(plan.draft_lens)
     activity = ProfilerActivity.CUDA if plan.cuda else ProfilerActivity.CPU
     result.update(model=shape.name, batch=1, context_tokens=context, draft_len=n,
-                  forwards=PROFILE_FORWARDS,
+                  forwards=PROFILE_FORWARDS, tree_launch=dict(plan.tree_launch),
                   unit="device us per forward" if plan.cuda else "CPU us per forward")
     with torch.inference_mode():
         model = build_model(shape, plan)
@@ -1018,7 +1123,7 @@ def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
         prefill(model, caches, context, plan)
         for kind in ("chain", "tree"):
             forward = verify_forward(model, caches, chain(n) if kind == "chain"
-                                     else verify_tree(n), 1, context, plan.device)
+                                     else verify_tree(n), 1, context, plan)
             for _ in range(plan.warmup):
                 forward()
             with profile(activities=[activity]) as prof:
@@ -1062,6 +1167,10 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"## {name}: ok={section.get('ok')}", ""]
         if "error" in section:
             lines += ["```", section["error"], "```", ""]
+        if "launch_rule" in section:
+            rule = section["launch_rule"]
+            lines += [f"Launch rule fitted: {rule['chosen']}, {rule['us']} us over the swept trees "
+                      f"(the kernel's own, {rule['defaults']}: {rule['defaults_us']} us).", ""]
         if "checks" in section:
             lines += _check_lines(section["checks"])
         elif "blocks" in section:
@@ -1074,9 +1183,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _check_lines(checks: list[dict[str, Any]]) -> list[str]:
-    return ["| kernel | case | max_abs_err | tolerance | ok | us |", "|---|---|---|---|---|---|",
+    return ["| kernel | case | max_abs_err | tolerance | ok | us | host us |",
+            "|---|---|---|---|---|---|---|",
             *(f"| {c['kernel']} | {c['case']} | {c['max_abs_err']:.2e} | {c['tolerance']:.0e} "
-              f"| {c['ok']} | {c.get('us', '')} |" for c in checks), ""]
+              f"| {c['ok']} | {c.get('us', '')} | {c.get('host_us', '')} |" for c in checks), ""]
 
 
 def _step_cost_lines(section: dict[str, Any]) -> list[str]:
@@ -1142,6 +1252,7 @@ def extract(results: Path, model: str, shape: str, batch: int, context: int | No
         "run": name, "date": result["date"], "machine": result["device"]["device"],
         "model": f"{model} (random weights, {result['sections']['step_cost']['dtype']})",
         "shape": shape, "batch": batch, "timing": sorted(set(timings.values())),
+        "tree_launch": result["sections"]["step_cost"].get("tree_launch"),
         "source": str(results), "command": result["command"], "rows": rows}, indent=1) + "\n")
     return out
 
@@ -1205,14 +1316,19 @@ def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None,
         "tiny": not plan.cuda, "device": device_info(plan)})
     log(json.dumps(report.result["device"]))
     measures = {
-        "kernels": lambda r, save: kernels_section(plan, r),
-        "paged_kernel": lambda r, save: paged_section(plan, r, save),
-        "stream_safety": lambda r, save: stream_safety_section(plan, r),
-        "step_cost": lambda r, save: step_cost_section(plan, start + time_limit, r, save),
-        "tree_profile": lambda r, save: tree_profile_section(plan, r)}
+        "kernels": lambda plan, r, save: kernels_section(plan, r),
+        "paged_kernel": lambda plan, r, save: paged_section(plan, r, save),
+        "stream_safety": lambda plan, r, save: stream_safety_section(plan, r),
+        "step_cost": lambda plan, r, save: step_cost_section(plan, start + time_limit, r, save),
+        "tree_profile": lambda plan, r, save: tree_profile_section(plan, r)}
     for name in SECTIONS:
         if name in sections:
-            report.section(name, measures[name])
+            report.section(name, functools.partial(measures[name], plan))
+            rule = report.result["sections"][name].get("launch_rule")
+            if rule is not None:
+                # The later sections' trees launch as the kernel will once its constants are
+                # set from this run (benchmarks/README.md, "The GPU check").
+                plan = replace(plan, tree_launch=tuple(rule["chosen"].items()))
     report.result["seconds"] = round(time.monotonic() - start, 1)
     report.save()
     log(f"wrote {out} and {out.with_suffix('.md')} in {report.result['seconds']} s; "

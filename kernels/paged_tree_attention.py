@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import tree_attention
-from .launch import have_triton, interpreting, multiprocessors
+from .launch import context_split, have_triton, interpreting, multiprocessors
 
 _softmax_step: Any = None  # tree_attention's Triton function, bound by _kernels()
 
@@ -188,19 +188,51 @@ def paged_tree_attention_reference(query: torch.Tensor, key: torch.Tensor, value
     return output
 
 
+@dataclass(frozen=True)
+class PagedLaunch:
+    """The paged kernel's launch: (node, head) rows per program, row blocks per tree and kv
+    head, keys per loop iteration, context splits and the keys each takes."""
+    block_m: int
+    row_blocks: int
+    block_l: int
+    splits: int
+    chunk: int
+
+
+def paged_launch(trees: int, max_nodes: int, num_heads: int, num_kv_heads: int, context: int,
+                 dtype: torch.dtype, sms: int, splits: int | None = None,
+                 block_m: int | None = None,
+                 min_split_tokens: int | None = None) -> PagedLaunch:
+    """How :func:`paged_tree_attention` launches over ``trees`` trees of at most ``max_nodes``
+    nodes and ``context`` cached tokens on a GPU of ``sms`` multiprocessors. ``splits``: the
+    context is split across that many programs (flash decoding), whose partial softmaxes a
+    second kernel combines; by default ``launch.context_split``'s rule with
+    ``min_split_tokens`` (``MIN_SPLIT_TOKENS``). ``block_m``: (node, head) rows per program, a
+    power of two of 16 or more; by default ``BLOCK_M`` (``BLOCK_M_FP32`` for float32). The GPU
+    check sweeps all three."""
+    fp32 = dtype == torch.float32
+    if block_m is None:
+        block_m = tree_attention.BLOCK_M_FP32 if fp32 else tree_attention.BLOCK_M
+    elif block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two of 16 or more, got {block_m}")
+    row_blocks = -(-(max_nodes * (num_heads // num_kv_heads)) // block_m)
+    block_l = tree_attention.BLOCK_L_FP32 if fp32 else tree_attention.BLOCK_L
+    splits, chunk = context_split(
+        row_blocks * num_kv_heads * trees, context, block_l, sms,
+        tree_attention.MIN_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens,
+        splits)
+    return PagedLaunch(block_m, row_blocks, block_l, splits, chunk)
+
+
 def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_table: torch.Tensor, trees: PagedTrees, scale: float,
-                         output: torch.Tensor | None = None,
-                         splits: int | None = None, block_m: int | None = None) -> torch.Tensor:
-    """:func:`paged_tree_attention_reference`'s contract, by the Triton kernel. Reads no
-    tensor's values on the host, so a step's layers queue without waiting for the GPU.
-
-    ``splits``: programs each tree's context is split across (flash decoding), whose partial
-    softmaxes a second kernel combines; by default as many as give the GPU's multiprocessors
-    two programs each at most, at least ``MIN_SPLIT_TOKENS`` context tokens apiece.
-    ``block_m``: (node, head) rows per program, a power of two of 16 or more; by default
-    ``BLOCK_M`` (``BLOCK_M_FP32`` for float32). Both are the GPU check's to sweep."""
+                         output: torch.Tensor | None = None, splits: int | None = None,
+                         block_m: int | None = None,
+                         min_split_tokens: int | None = None) -> torch.Tensor:
+    """:func:`paged_tree_attention_reference`'s contract, by the Triton kernel, launched as
+    :func:`paged_launch` says. Reads no tensor's values on the host, so a step's layers queue
+    without waiting for the GPU."""
     import triton
 
     _check(query, key, value, key_cache, value_cache, block_table, trees)
@@ -213,27 +245,15 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             raise ValueError(f"{name} must have unit stride in its head dimension")
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1:3]
-    group = num_heads // num_kv_heads
-    fp32 = query.dtype == torch.float32
-    block_l = tree_attention.BLOCK_L_FP32 if fp32 else tree_attention.BLOCK_L
+    launch = paged_launch(len(trees), trees.max_nodes, num_heads, num_kv_heads,
+                          trees.max_context, query.dtype, multiprocessors(query.device),
+                          splits, block_m, min_split_tokens)
+    splits, chunk = launch.splits, launch.chunk
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if block_m is None:
-        block_m = tree_attention.BLOCK_M_FP32 if fp32 else tree_attention.BLOCK_M
-    elif block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two of 16 or more, got {block_m}")
-    row_blocks = triton.cdiv(trees.max_nodes * group, block_m)
-    context = trees.max_context
-    if splits is None:
-        splits = min(max(1, 2 * multiprocessors(query.device)
-                         // (row_blocks * num_kv_heads * len(trees))),
-                     triton.cdiv(context, tree_attention.MIN_SPLIT_TOKENS))
-    tiles = triton.cdiv(context, block_l)
-    chunk = max(1, triton.cdiv(tiles, max(1, min(splits, tiles)))) * block_l
-    splits = max(1, triton.cdiv(context, chunk))
     partial = torch.empty((splits, len(trees) * trees.max_nodes * num_heads, 2 + block_d)
                           if splits > 1 else (0,), dtype=torch.float32, device=query.device)
     mask_kernel, attention_kernel, combine_kernel = _kernels()
-    attention_kernel[(row_blocks, num_kv_heads, len(trees) * splits)](
+    attention_kernel[(launch.row_blocks, num_kv_heads, len(trees) * splits)](
         query, key, value, key_cache, value_cache, block_table, output, partial,
         trees.node_start, trees.first, trees.count, trees.context_len, trees.table_row,
         trees.mask, head_dim, scale * math.log2(math.e), chunk, num_heads, trees.max_nodes,
@@ -241,9 +261,10 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         value.stride(0), value.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), output.stride(0), output.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=block_m, BLOCK_L=block_l, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, BLOCK_M=launch.block_m,
+        BLOCK_L=launch.block_l, BLOCK_D=block_d,
         DOT_F32=query.dtype == torch.bfloat16 and _interpreting(),
-        PRECISION="ieee" if fp32 else "tf32", SPLIT=splits > 1,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
         num_stages=tree_attention.NUM_STAGES)
     if splits > 1:
         rows = len(trees) * trees.max_nodes * num_heads

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .launch import have_triton, interpreting, multiprocessors
+from .launch import context_split, have_triton, interpreting, multiprocessors
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows are (node, query head) pairs of one kv head; every row block reads the whole context, so
@@ -422,15 +422,8 @@ def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_tree: t
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = block_m or (BLOCK_M_FP32 if fp32 else BLOCK_M)
     row_blocks = triton.cdiv(n * group, block_m)
-    if splits is None:
-        # At most two programs per multiprocessor: a third, partial wave would cost a whole
-        # program's time (H200, 64 nodes of Llama-3-8B at 32k: 9 splits 185 us, 8 splits 124).
-        splits = min(max(1, 2 * multiprocessors(q.device) // (row_blocks * num_kv_heads)),
-                     triton.cdiv(context, MIN_SPLIT_TOKENS))
-    # Whole key tiles per split, and no split left without one.
-    tiles = triton.cdiv(context, block_l)
-    chunk = max(1, triton.cdiv(tiles, max(1, min(splits, tiles)))) * block_l
-    splits = max(1, triton.cdiv(context, chunk))
+    splits, chunk = context_split(row_blocks * num_kv_heads, context, block_l,
+                                  multiprocessors(q.device), MIN_SPLIT_TOKENS, splits)
     partial = torch.empty((splits, n * num_heads, 2 + block_d) if splits > 1 else (0,),
                           dtype=torch.float32, device=q.device)
     _, attention_kernel, combine_kernel = _kernels()

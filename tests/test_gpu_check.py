@@ -5,6 +5,7 @@ curve turns into a file that replay's ``measured_step_costs`` reads. Its times m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from benchmarks import gpu_check
 from benchmarks.gpu_check import (
     PROFILE_TOP,
     TINY_PLAN,
@@ -27,6 +30,7 @@ from benchmarks.gpu_check import (
     step_cost_section,
     verify_tree,
 )
+from vllm_retrieval_spec.kernels import tree_attention
 from vllm_retrieval_spec.verification import core
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -118,10 +122,20 @@ def test_tiny_run_checks_the_kernels_against_their_references(tiny_run):
     assert kernels.count("projection") == 2
     paged = sections["paged_kernel"]["checks"]
     assert all(c["untouched_equal"] for c in paged)
-    # Five cases, then one tree at each context split (the kernel's default first).
-    assert [c["case"] for c in paged[5:]] == ["verify-4 @70, default",
-                                             "verify-4 @70, splits 1, rows 16",
-                                             "verify-4 @70, splits 2, rows 32"]
+    # Five cases, then one tree at each launch a rule makes (4 multiprocessors planned for:
+    # 2 programs, 3 splits of 70 tokens with 32 tokens a split at the least, or one), each
+    # recorded as the kernel launched it.
+    assert [c["case"] for c in paged[5:]] == ["verify-4 @70, splits 1, rows 16",
+                                             "verify-4 @70, splits 1, rows 32",
+                                             "verify-4 @70, splits 3, rows 16",
+                                             "verify-4 @70, splits 3, rows 32"]
+    assert [c["launch"] for c in paged[7:]] == [
+        {"block_m": 16, "row_blocks": 1, "block_l": 32, "splits": 3, "chunk": 32},
+        {"block_m": 32, "row_blocks": 1, "block_l": 32, "splits": 3, "chunk": 32}]
+    assert all(c["sweep"] for c in paged[5:]) and not any(c["sweep"] for c in paged[:5])
+    # No device times on CPU, so no rule is fitted and the trees launch as the kernel does.
+    assert "launch_rule" not in sections["paged_kernel"]
+    assert sections["step_cost"]["tree_launch"] == "the kernel's defaults"
     # Every tree computes its rows after its leading chain, or all of them in the first case.
     assert paged[0]["first"] == [0] and paged[1]["first"] == [32, 16, 1, 1]
     assert paged[4]["contexts"] == [17, 40] and paged[4]["rows_computed"] == 32 + 32
@@ -262,7 +276,7 @@ with torch.inference_mode():
     model = build_model(TINY, plan)
     caches = Caches.allocate(TINY, 2, 64 + 1 + 4, plan)
     prefill(model, caches, 64, plan)
-    forward = verify_forward(model, caches, verify_tree(4), 2, 32, plan.device)
+    forward = verify_forward(model, caches, verify_tree(4), 2, 32, plan)
     assert forward.step.trees is not None
     eager = forward().clone()
     pieces, logits = capture_pieces(forward, "pool", Graph)
@@ -419,3 +433,65 @@ def test_the_short_context_paged_case_fails_a_kernel_blind_to_the_tree(monkeypat
     short = result["checks"][-1]
     assert short["case"] == "two trees, short contexts"
     assert not short["ok"] and short["max_abs_err"] > 5 * short["tolerance"]
+
+
+def sweep_row(context, nodes, splits, block_m, us, plan):
+    launch = gpu_check.paged_launch(1, nodes, *plan.attention_shape[:2], context, plan.dtype,
+                                    132, splits=splits, block_m=block_m)
+    return {"sweep": True, "ok": True, "contexts": [context], "nodes": [nodes],
+            "launch": dataclasses.asdict(launch), "us": us}
+
+
+GPU_SHAPED = dataclasses.replace(TINY_PLAN, dtype=torch.bfloat16, attention_shape=(32, 8, 128),
+                                 split_contexts=(512, 2048), split_nodes=(64,),
+                                 split_block_ms=(64,), split_min_tokens=(256, 1024))
+
+
+def test_the_launch_rule_is_the_one_whose_launches_took_least_time(monkeypatch):
+    monkeypatch.setattr(tree_attention, "MIN_SPLIT_TOKENS", 1024)
+    monkeypatch.setattr(tree_attention, "BLOCK_M", 64)
+    plan, sms = GPU_SHAPED, 132
+    # 64 nodes of Llama-3-8B: 4 row blocks x 8 kv heads, 8 splits at most on 132 SMs. 256
+    # tokens a split: 2 splits at 512, 8 at 2048; 1024: 1 and 2.
+    assert gpu_check.sweep_launches(plan, sms) == [
+        (512, 64, 1, 64), (512, 64, 2, 64), (2048, 64, 1, 64), (2048, 64, 2, 64),
+        (2048, 64, 8, 64)]
+    times = {(512, 1): 23.0, (512, 2): 15.0, (2048, 1): 60.0, (2048, 2): 40.0, (2048, 8): 20.0}
+    checks = [sweep_row(c, 64, n, 64, us, plan) for (c, n), us in times.items()]
+    rule = gpu_check.fit_launch_rule(checks, plan, sms)
+    assert rule["chosen"] == {"block_m": 64, "min_split_tokens": 256}
+    assert rule["us"] == 15.0 + 20.0 and rule["defaults_us"] == 23.0 + 40.0
+    assert rule["trees"] == [[512, 64], [2048, 64]]
+    # Within RULE_MARGIN of the kernel's own rule, the kernel's own is kept.
+    times[512, 2], times[2048, 8] = 23.0, 39.5
+    checks = [sweep_row(c, 64, n, 64, us, plan) for (c, n), us in times.items()]
+    assert gpu_check.fit_launch_rule(checks, plan, sms)["chosen"] == {
+        "block_m": 64, "min_split_tokens": 1024}
+    # A rule with an untimed (or failed) launch is not a candidate; with none left, no rule.
+    assert gpu_check.fit_launch_rule(checks[:1], plan, sms) is None
+    failed = [{**c, "ok": c["launch"]["splits"] != 8} for c in checks]
+    assert [r["min_split_tokens"] for r in gpu_check.fit_launch_rule(failed, plan, sms)[
+        "rules"]] == [1024]
+
+
+def test_a_fitted_rule_launches_the_later_sections_trees(monkeypatch, tmp_path):
+    seen = {}
+
+    def paged(plan, result, save):
+        result.update(ok=True, launch_rule={
+            "chosen": {"block_m": 32, "min_split_tokens": 128}, "us": 10.0,
+            "defaults": {"block_m": 16, "min_split_tokens": 1024}, "defaults_us": 20.0})
+
+    def step_cost(plan, deadline, result, save):
+        seen["step_cost"] = plan.tree_launch
+        result["ok"] = True
+
+    monkeypatch.setattr(gpu_check, "paged_section", paged)
+    monkeypatch.setattr(gpu_check, "step_cost_section", step_cost)
+    monkeypatch.setattr(gpu_check, "interpreting", lambda: True)
+    gpu_check.run_all(TINY_PLAN, tmp_path / "r.json", 10.0, [], ("paged_kernel", "step_cost"))
+    assert dict(seen["step_cost"]) == {"block_m": 32, "min_split_tokens": 128}
+    assert "Launch rule fitted: {'block_m': 32, 'min_split_tokens': 128}, 10.0 us" in \
+        (tmp_path / "r.md").read_text()
+    gpu_check.run_all(TINY_PLAN, tmp_path / "r.json", 10.0, [], ("step_cost",))
+    assert seen["step_cost"] == ()

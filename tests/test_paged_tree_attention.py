@@ -10,6 +10,7 @@ TRITON_INTERPRET=1 (this file run as a script), which saves every case's output.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from dataclasses import dataclass, replace
@@ -19,8 +20,11 @@ import pytest
 import torch
 
 from helpers import run_interpreted
+from vllm_retrieval_spec.kernels.launch import context_split
 from vllm_retrieval_spec.kernels.paged_tree_attention import (
+    PagedLaunch,
     PagedTreeBuffers,
+    paged_launch,
     paged_tree_attention,
     paged_tree_attention_reference,
     paged_trees,
@@ -303,3 +307,37 @@ def test_the_kernel_refuses_rows_per_program_that_are_no_power_of_two_of_16_or_m
     with pytest.raises(ValueError, match=f"block_m must be a power of two of 16 or more, got "
                                          f"{block_m}"):
         paged_tree_attention(**args, scale=0.1, block_m=block_m)
+
+
+@pytest.mark.parametrize("programs, context, sms, min_split_tokens, splits, expected", [
+    # Two programs per multiprocessor at most: 132 SMs, 32 programs -> 8 splits, if the context
+    # has min_split_tokens keys for each.
+    (32, 8192, 132, 1024, None, (8, 1024)),
+    (32, 8192, 132, 2048, None, (4, 2048)),
+    (32, 512, 132, 1024, None, (1, 512)),
+    (32, 512, 132, 128, None, (4, 128)),
+    # A split takes whole 64-key tiles: 1000 keys are 16 tiles, 3 splits of 6, 6 and 4 tiles.
+    (8, 1000, 132, 400, None, (3, 384)),
+    # Asked for more splits than tiles: one tile each.
+    (8, 100, 132, 16, 5, (2, 64)),
+    (8, 0, 132, 1024, None, (1, 64)),
+])
+def test_context_split(programs, context, sms, min_split_tokens, splits, expected):
+    assert context_split(programs, context, 64, sms, min_split_tokens, splits) == expected
+
+
+def test_paged_launch_counts_row_blocks_over_every_trees_nodes_and_heads():
+    # Llama-3-8B's heads (32 over 8 kv heads): a 64-node tree is 256 (node, head) rows per kv
+    # head, 4 blocks of 64; 4 x 8 programs, 2 x 132 SMs -> 8 splits of a 2048-token context.
+    launch = functools.partial(paged_launch, dtype=torch.bfloat16, sms=132)
+    assert launch(1, 64, 32, 8, 2048, block_m=64, min_split_tokens=256) \
+        == PagedLaunch(64, 4, 64, 8, 256)
+    assert launch(1, 64, 32, 8, 2048, block_m=64, min_split_tokens=4096) \
+        == PagedLaunch(64, 4, 64, 1, 2048)
+    # Two trees of 16 nodes, 16 rows a block: 4 x 8 x 2 programs -> 4 splits at most.
+    assert launch(2, 16, 32, 8, 2048, block_m=16, min_split_tokens=256) \
+        == PagedLaunch(16, 4, 64, 4, 512)
+    assert launch(2, 16, 32, 8, 2048, splits=3, block_m=16) == PagedLaunch(16, 4, 64, 3, 704)
+    # float32 keeps its own rows and keys per program: 3 tiles of 32 keys, a split each.
+    assert paged_launch(1, 4, 4, 2, 70, torch.float32, 132, min_split_tokens=16) \
+        == PagedLaunch(16, 1, 32, 3, 32)
