@@ -406,9 +406,11 @@ def rules(plan: Plan) -> list[dict[str, int]]:
 
 def rule_launch(plan: Plan, sms: int, rule: dict[str, int], context: int,
                 nodes: int) -> PagedLaunch:
-    """How ``rule`` launches the paged kernel over one tree of ``nodes`` nodes."""
+    """How ``rule`` launches the paged kernel over one ``verify_tree(nodes)``, whose nodes after
+    its leading chain it computes."""
     heads, kv_heads, _ = plan.attention_shape
-    return paged_launch(1, nodes, heads, kv_heads, context, plan.dtype, sms, **rule)
+    rows = nodes - leading_chain_len(verify_tree(nodes))
+    return paged_launch(1, rows, heads, kv_heads, context, plan.dtype, sms, **rule)
 
 
 def sweep_launches(plan: Plan, sms: int) -> list[tuple[int, int, int, int]]:
@@ -492,8 +494,8 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
             "trees": rows, "nodes": [len(p) for p in parents], "contexts": contexts,
             "first": first, "rows_computed": int(computed.sum()),
             "untouched_equal": bool(torch.equal(out[~computed], before[~computed])),
-            "launch": asdict(paged_launch(rows, max(map(len, parents)), heads, kv_heads,
-                                          max(contexts), plan.dtype, sms, **launch)),
+            "launch": asdict(paged_launch(rows, trees.max_rows, heads, kv_heads,
+                                          trees.max_context, plan.dtype, sms, **launch)),
             "sweep": case.sweep}
         err = float((out[computed].float() - expected[computed].float()).abs().max())
         if plan.cuda:

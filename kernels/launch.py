@@ -46,7 +46,7 @@ def context_split(programs: int, context: int, block_l: int, sms: int, min_split
     a whole program's time: on an H200, 64 nodes of Llama-3-8B at 32k took 185 us in 9 splits,
     124 in 8), with at least ``min_split_tokens`` keys apiece."""
     if splits is None:
-        splits = min(max(1, 2 * sms // programs), -(-context // min_split_tokens))
+        splits = min(max(1, 2 * sms // max(1, programs)), -(-context // min_split_tokens))
     tiles = -(-context // block_l)
     chunk = max(1, -(-tiles // max(1, min(splits, tiles)))) * block_l
     return max(1, -(-context // chunk)), chunk

@@ -42,6 +42,8 @@ class PagedTrees:
     mask: torch.Tensor         # int8 [B, max_nodes, max_nodes]: ancestor-or-self
     max_nodes: int
     max_context: int
+    #: The most nodes a tree computes (count - first): the kernel's programs cover these.
+    max_rows: int
 
     def __len__(self) -> int:
         return len(self.count)
@@ -99,7 +101,8 @@ class PagedTreeBuffers:
         masks = self.masks[:trees * max_nodes * max_nodes].view(trees, max_nodes, max_nodes)
         columns = meta[:fields].view(5, trees)
         _build_masks(meta[fields:].view(trees, max_nodes), columns[2], masks, table, counts)
-        return PagedTrees(*columns, masks, max_nodes, max(context_len, default=0))
+        return PagedTrees(*columns, masks, max_nodes, max(context_len, default=0),
+                          max((c - f for c, f in zip(counts, first)), default=0))
 
 
 def paged_trees(parents: Sequence[Sequence[int]], node_start: Sequence[int],
@@ -199,14 +202,15 @@ class PagedLaunch:
     chunk: int
 
 
-def paged_launch(trees: int, max_nodes: int, num_heads: int, num_kv_heads: int, context: int,
+def paged_launch(trees: int, rows: int, num_heads: int, num_kv_heads: int, context: int,
                  dtype: torch.dtype, sms: int, splits: int | None = None,
                  block_m: int | None = None,
                  min_split_tokens: int | None = None) -> PagedLaunch:
-    """How :func:`paged_tree_attention` launches over ``trees`` trees of at most ``max_nodes``
-    nodes and ``context`` cached tokens on a GPU of ``sms`` multiprocessors. ``splits``: the
-    context is split across that many programs (flash decoding), whose partial softmaxes a
-    second kernel combines; by default ``launch.context_split``'s rule with
+    """How :func:`paged_tree_attention` launches over ``trees`` trees computing at most ``rows``
+    nodes each (``PagedTrees.max_rows``: programs for a leading chain's nodes would have no
+    work) over at most ``context`` cached tokens, on a GPU of ``sms`` multiprocessors.
+    ``splits``: the context is split across that many programs (flash decoding), whose partial
+    softmaxes a second kernel combines; by default ``launch.context_split``'s rule with
     ``min_split_tokens`` (``MIN_SPLIT_TOKENS``). ``block_m``: (node, head) rows per program, a
     power of two of 16 or more; by default ``BLOCK_M`` (``BLOCK_M_FP32`` for float32). The GPU
     check sweeps all three."""
@@ -215,7 +219,7 @@ def paged_launch(trees: int, max_nodes: int, num_heads: int, num_kv_heads: int, 
         block_m = tree_attention.BLOCK_M_FP32 if fp32 else tree_attention.BLOCK_M
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two of 16 or more, got {block_m}")
-    row_blocks = -(-(max_nodes * (num_heads // num_kv_heads)) // block_m)
+    row_blocks = -(-(rows * (num_heads // num_kv_heads)) // block_m)
     block_l = tree_attention.BLOCK_L_FP32 if fp32 else tree_attention.BLOCK_L
     splits, chunk = context_split(
         row_blocks * num_kv_heads * trees, context, block_l, sms,
@@ -237,7 +241,7 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
     _check(query, key, value, key_cache, value_cache, block_table, trees)
     output = torch.empty_like(query) if output is None else output
-    if not len(trees) or not trees.max_nodes:
+    if not trees.max_rows:
         return output
     for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("output", output)):
@@ -245,7 +249,7 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             raise ValueError(f"{name} must have unit stride in its head dimension")
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1:3]
-    launch = paged_launch(len(trees), trees.max_nodes, num_heads, num_kv_heads,
+    launch = paged_launch(len(trees), trees.max_rows, num_heads, num_kv_heads,
                           trees.max_context, query.dtype, multiprocessors(query.device),
                           splits, block_m, min_split_tokens)
     splits, chunk = launch.splits, launch.chunk

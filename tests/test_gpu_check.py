@@ -436,7 +436,8 @@ def test_the_short_context_paged_case_fails_a_kernel_blind_to_the_tree(monkeypat
 
 
 def sweep_row(context, nodes, splits, block_m, us, plan):
-    launch = gpu_check.paged_launch(1, nodes, *plan.attention_shape[:2], context, plan.dtype,
+    rows = nodes - leading_chain_len(verify_tree(nodes))
+    launch = gpu_check.paged_launch(1, rows, *plan.attention_shape[:2], context, plan.dtype,
                                     132, splits=splits, block_m=block_m)
     return {"sweep": True, "ok": True, "contexts": [context], "nodes": [nodes],
             "launch": dataclasses.asdict(launch), "us": us}
@@ -451,8 +452,9 @@ def test_the_launch_rule_is_the_one_whose_launches_took_least_time(monkeypatch):
     monkeypatch.setattr(tree_attention, "MIN_SPLIT_TOKENS", 1024)
     monkeypatch.setattr(tree_attention, "BLOCK_M", 64)
     plan, sms = GPU_SHAPED, 132
-    # 64 nodes of Llama-3-8B: 4 row blocks x 8 kv heads, 8 splits at most on 132 SMs. 256
-    # tokens a split: 2 splits at 512, 8 at 2048; 1024: 1 and 2.
+    # A 64-node tree of Llama-3-8B computes the 32 nodes after its leading chain: 2 row blocks
+    # x 8 kv heads, 16 splits at most on 132 SMs. 256 tokens a split: 2 splits at 512, 8 at
+    # 2048; 1024: 1 and 2.
     assert gpu_check.sweep_launches(plan, sms) == [
         (512, 64, 1, 64), (512, 64, 2, 64), (2048, 64, 1, 64), (2048, 64, 2, 64),
         (2048, 64, 8, 64)]

@@ -256,8 +256,8 @@ def test_buffers_are_reused_and_rebuilt_per_step():
     assert second.count.tolist() == [2] and second.first.tolist() == [1]
     assert second.context_len.tolist() == [7] and second.table_row.tolist() == [3]
     assert torch.equal(second.mask[0].bool(), tree_ancestor_mask(torch.tensor([-1, 0])))
-    assert second.max_nodes == 2 and second.max_context == 7
-    assert first.max_nodes == 3 and first.max_context == 20
+    assert second.max_nodes == 2 and second.max_context == 7 and second.max_rows == 1
+    assert first.max_nodes == 3 and first.max_context == 20 and first.max_rows == 3
 
 
 @pytest.mark.parametrize("parents, first, message", [
@@ -326,9 +326,9 @@ def test_context_split(programs, context, sms, min_split_tokens, splits, expecte
     assert context_split(programs, context, 64, sms, min_split_tokens, splits) == expected
 
 
-def test_paged_launch_counts_row_blocks_over_every_trees_nodes_and_heads():
-    # Llama-3-8B's heads (32 over 8 kv heads): a 64-node tree is 256 (node, head) rows per kv
-    # head, 4 blocks of 64; 4 x 8 programs, 2 x 132 SMs -> 8 splits of a 2048-token context.
+def test_paged_launch_counts_row_blocks_over_the_nodes_trees_compute_and_their_heads():
+    # Llama-3-8B's heads (32 over 8 kv heads): 64 nodes computed are 256 (node, head) rows per
+    # kv head, 4 blocks of 64; 4 x 8 programs, 2 x 132 SMs -> 8 splits of a 2048-token context.
     launch = functools.partial(paged_launch, dtype=torch.bfloat16, sms=132)
     assert launch(1, 64, 32, 8, 2048, block_m=64, min_split_tokens=256) \
         == PagedLaunch(64, 4, 64, 8, 256)
