@@ -87,7 +87,8 @@ PROJECTION_TOLERANCE = 2e-4
 TIME_LIMIT_S = 400.0
 #: The paged kernel's timing: calls per CUDA graph (an 8B model's layers), replays timed.
 CALLS_PER_GRAPH = 32
-#: A launch rule replaces the paged kernel's own only if its launches take this much less time.
+#: A launch rule replaces the paged kernel's own only if its launches are this much less slow
+#: per tree (``fit_launch_rule``: 0.02 is 2% of the fastest launch's time).
 RULE_MARGIN = 0.02
 GRAPH_REPLAYS = 20
 #: Forwards profiled per shape by ``tree_profile``; its times are per forward.
@@ -515,36 +516,43 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
     rule = fit_launch_rule(checks, plan, sms)
     if rule is not None:
         result["launch_rule"] = rule
-        log(f"launch rule: {rule['chosen']}, {rule['us']} us over the swept trees "
-            f"(the kernel's defaults: {rule['defaults_us']} us)")
+        log(f"launch rule: {rule['chosen']}, slowdown {rule['slowdown']} (the kernel's own: "
+            f"{rule['defaults_slowdown']})")
 
 
 def fit_launch_rule(checks: list[dict[str, Any]], plan: Plan, sms: int) -> dict[str, Any] | None:
-    """The rule (:func:`rules`) whose launches took the least device time in all over the
-    swept trees, of those whose every launch was timed; the kernel's own unless another saves
-    more than ``RULE_MARGIN`` of its time, and of equal times the one that splits least (fewer
-    launches, less host time a layer). None if no rule's launches were all timed."""
+    """The rule (:func:`rules`) whose launches were the least slow over the swept trees: each
+    tree's time by the rule over the least any timed launch of it took, summed (``slowdown``:
+    each tree weighs alike, as a short context's kernel is as large a share of its step as a
+    long one's), of the rules whose every launch was timed. The kernel's own unless another's
+    slowdown is ``RULE_MARGIN`` less per tree, and of equal ones the one that splits least
+    (fewer launches, less host time a layer). None if no rule's launches were all timed."""
     timed = {(c["contexts"][0], c["nodes"][0], c["launch"]["block_m"], c["launch"]["chunk"]):
              c["us"] for c in checks if c.get("sweep") and c["ok"] and "us" in c}
     trees = [(context, nodes) for context in plan.split_contexts for nodes in plan.split_nodes]
+    fastest = {tree: min((us for (c, n, _, _), us in timed.items() if (c, n) == tree),
+                         default=None) for tree in trees}
     totals = []
     for rule in rules(plan):
         us = [timed.get((context, nodes, rule["block_m"],
                          rule_launch(plan, sms, rule, context, nodes).chunk))
               for context, nodes in trees]
         if trees and None not in us:
-            totals.append({**rule, "us": round(sum(us), 2)})
+            totals.append({**rule, "us": round(sum(us), 2), "slowdown": round(sum(
+                t / fastest[tree] for t, tree in zip(us, trees)), 4)})
     if not totals:
         return None
-    best = min(totals, key=lambda total: total["us"])
+    best = min(totals, key=lambda total: total["slowdown"])
     default = next((total for total in totals
                     if total.items() >= default_rule(plan).items()), None)
-    if default is not None and best["us"] >= (1 - RULE_MARGIN) * default["us"]:
+    if default is not None and \
+            best["slowdown"] >= default["slowdown"] - RULE_MARGIN * len(trees):
         best = default
     return {"chosen": {"block_m": best["block_m"], "min_split_tokens": best["min_split_tokens"]},
-            "us": best["us"], "defaults": default_rule(plan),
-            "defaults_us": default and default["us"], "trees": [list(t) for t in trees],
-            "rules": totals}
+            "us": best["us"], "slowdown": best["slowdown"], "defaults": default_rule(plan),
+            "defaults_us": default and default["us"],
+            "defaults_slowdown": default and default["slowdown"],
+            "trees": [list(t) for t in trees], "rules": totals}
 
 
 def host_us_per_call(call: Callable[[], object]) -> float:
@@ -1171,8 +1179,10 @@ def markdown(result: dict[str, Any]) -> str:
             lines += ["```", section["error"], "```", ""]
         if "launch_rule" in section:
             rule = section["launch_rule"]
-            lines += [f"Launch rule fitted: {rule['chosen']}, {rule['us']} us over the swept trees "
-                      f"(the kernel's own, {rule['defaults']}: {rule['defaults_us']} us).", ""]
+            lines += [f"Launch rule fitted: {rule['chosen']}, slowdown {rule['slowdown']} over "
+                      f"{len(rule['trees'])} swept trees, {rule['us']} us (the kernel's own, "
+                      f"{rule['defaults']}: {rule['defaults_slowdown']}, "
+                      f"{rule['defaults_us']} us).", ""]
         if "checks" in section:
             lines += _check_lines(section["checks"])
         elif "blocks" in section:

@@ -463,8 +463,12 @@ def test_the_launch_rule_is_the_one_whose_launches_took_least_time(monkeypatch):
     rule = gpu_check.fit_launch_rule(checks, plan, sms)
     assert rule["chosen"] == {"block_m": 64, "min_split_tokens": 256}
     assert rule["us"] == 15.0 + 20.0 and rule["defaults_us"] == 23.0 + 40.0
+    # Each tree's time over its fastest launch's, summed: the fastest at each context, and
+    # the kernel's own 23 / 15 + 40 / 20.
+    assert rule["slowdown"] == 2.0 and rule["defaults_slowdown"] == round(23 / 15 + 2, 4)
     assert rule["trees"] == [[512, 64], [2048, 64]]
-    # Within RULE_MARGIN of the kernel's own rule, the kernel's own is kept.
+    # Less than RULE_MARGIN per tree better than the kernel's own rule, the kernel's own is
+    # kept (2.0 against 1 + 40 / 39.5).
     times[512, 2], times[2048, 8] = 23.0, 39.5
     checks = [sweep_row(c, 64, n, 64, us, plan) for (c, n), us in times.items()]
     assert gpu_check.fit_launch_rule(checks, plan, sms)["chosen"] == {
@@ -481,8 +485,9 @@ def test_a_fitted_rule_launches_the_later_sections_trees(monkeypatch, tmp_path):
 
     def paged(plan, result, save):
         result.update(ok=True, launch_rule={
-            "chosen": {"block_m": 32, "min_split_tokens": 128}, "us": 10.0,
-            "defaults": {"block_m": 16, "min_split_tokens": 1024}, "defaults_us": 20.0})
+            "chosen": {"block_m": 32, "min_split_tokens": 128}, "us": 10.0, "slowdown": 1.0,
+            "trees": [[70, 4]], "defaults": {"block_m": 16, "min_split_tokens": 1024},
+            "defaults_us": 20.0, "defaults_slowdown": 2.0})
 
     def step_cost(plan, deadline, result, save):
         seen["step_cost"] = plan.tree_launch
@@ -493,7 +498,7 @@ def test_a_fitted_rule_launches_the_later_sections_trees(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_check, "interpreting", lambda: True)
     gpu_check.run_all(TINY_PLAN, tmp_path / "r.json", 10.0, [], ("paged_kernel", "step_cost"))
     assert dict(seen["step_cost"]) == {"block_m": 32, "min_split_tokens": 128}
-    assert "Launch rule fitted: {'block_m': 32, 'min_split_tokens': 128}, 10.0 us" in \
-        (tmp_path / "r.md").read_text()
+    assert "Launch rule fitted: {'block_m': 32, 'min_split_tokens': 128}, slowdown 1.0 over 1 " \
+        "swept trees, 10.0 us" in (tmp_path / "r.md").read_text()
     gpu_check.run_all(TINY_PLAN, tmp_path / "r.json", 10.0, [], ("step_cost",))
     assert seen["step_cost"] == ()
