@@ -58,7 +58,7 @@ NUM_STAGES = 2
 #: tokens (H200: 18 us unsplit, 37 us in two; benchmarks/results/kernels-h200-sweep.md). Those
 #: timed one call at a time, mostly its launch; inside a step (a CUDA graph) the paged kernel
 #: took 23 us a layer unsplit at 512 tokens (benchmarks/results/gpu-check-h200-profile.md): the
-#: GPU check's split cases time each choice in graphs, to set this again.
+#: GPU check fits this and BLOCK_M on the device (``launch_rule``), to set them again.
 MIN_SPLIT_TOKENS = 1024
 #: (node, head) rows per program of the kernel that combines the splits.
 BLOCK_R = 16
