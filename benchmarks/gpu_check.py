@@ -390,8 +390,7 @@ class PagedCase:
 
 def default_rule(plan: Plan) -> dict[str, int]:
     """The paged kernel's own launch rule for the plan's dtype."""
-    return {"block_m": (tree_attention.BLOCK_M_FP32 if plan.dtype == torch.float32
-                        else tree_attention.BLOCK_M),
+    return {"block_m": tree_attention.default_tiles(plan.dtype)[0],
             "min_split_tokens": tree_attention.MIN_SPLIT_TOKENS}
 
 

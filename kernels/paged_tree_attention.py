@@ -214,13 +214,12 @@ def paged_launch(trees: int, rows: int, num_heads: int, num_kv_heads: int, conte
     ``min_split_tokens`` (``MIN_SPLIT_TOKENS``). ``block_m``: (node, head) rows per program, a
     power of two of 16 or more; by default ``BLOCK_M`` (``BLOCK_M_FP32`` for float32). The GPU
     check sweeps all three."""
-    fp32 = dtype == torch.float32
+    default_m, block_l = tree_attention.default_tiles(dtype)
     if block_m is None:
-        block_m = tree_attention.BLOCK_M_FP32 if fp32 else tree_attention.BLOCK_M
+        block_m = default_m
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two of 16 or more, got {block_m}")
     row_blocks = -(-(rows * (num_heads // num_kv_heads)) // block_m)
-    block_l = tree_attention.BLOCK_L_FP32 if fp32 else tree_attention.BLOCK_L
     splits, chunk = context_split(
         row_blocks * num_kv_heads * trees, context, block_l, sms,
         tree_attention.MIN_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens,

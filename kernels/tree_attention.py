@@ -64,6 +64,12 @@ MIN_SPLIT_TOKENS = 1024
 BLOCK_R = 16
 
 
+def default_tiles(dtype: torch.dtype) -> tuple[int, int]:
+    """The attention kernels' (node, head) rows per program and keys per loop iteration for
+    inputs of ``dtype``: float32's tiles are twice as large."""
+    return (BLOCK_M_FP32, BLOCK_L_FP32) if dtype == torch.float32 else (BLOCK_M, BLOCK_L)
+
+
 def _check_parents(parents: torch.Tensor) -> None:
     if parents.ndim != 1:
         raise ValueError(f"parents must be [n], got shape {tuple(parents.shape)}")
@@ -418,9 +424,9 @@ def _attend(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_tree: t
     # rounded to bfloat16 all the same, so the numbers are those of the compiled kernel.
     # ("tf32" is only the default for 16-bit operands, where it means nothing.)
     fp32 = q.dtype == torch.float32
-    block_l = BLOCK_L_FP32 if fp32 else BLOCK_L
+    default_m, block_l = default_tiles(q.dtype)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = block_m or (BLOCK_M_FP32 if fp32 else BLOCK_M)
+    block_m = block_m or default_m
     row_blocks = triton.cdiv(n * group, block_m)
     splits, chunk = context_split(row_blocks * num_kv_heads, context, block_l,
                                   multiprocessors(q.device), MIN_SPLIT_TOKENS, splits)
