@@ -21,7 +21,7 @@ here imports vLLM, and the product is reached only through ``vllm_retrieval_spec
   and eagerly.
 - ``tree_profile``: where a tree step's time goes beyond a chain's of as many tokens: every
   kernel's device time (torch.profiler) in one verify forward of each, the 8B model, batch 1,
-  the shortest context, the longest draft.
+  the shortest context, the longest draft; and the host's (cProfile), eager and piecewise.
 
 ``--sections`` runs some of them only (a rerun on a device spends its minutes where needed).
 
@@ -95,6 +95,8 @@ GRAPH_REPLAYS = 20
 PROFILE_FORWARDS = 5
 #: Kernels listed per shape by ``tree_profile``, the most time first.
 PROFILE_TOP = 15
+#: Python functions listed by a host profile (``host_profile``), the most time first.
+HOST_PROFILE_TOP = 20
 
 
 @dataclass(frozen=True)
@@ -503,6 +505,12 @@ def paged_section(plan: Plan, result: dict[str, Any], save: Callable[[], None]) 
                 call = functools.partial(paged_tree_attention, *args, output=out, **launch)
                 fields["us"] = device_us_per_call(call)
                 fields["host_us"] = host_us_per_call(call)
+                if not case.sweep:
+                    # Where the host's time to issue a call goes: one call between two events
+                    # took 100-300 us on the H200 (up to 10 ms a step over 32 layers), the
+                    # kernel 23 us. (The interpreter's on CPU would say nothing.)
+                    fields["host_profile"] = host_profile(call, plan.repeats, True)
+                    fields["syncs"] = synchronizing(call)
             except Exception:
                 # The check stands without its time.
                 fields["us_error"] = traceback.format_exc()[-1500:]
@@ -564,6 +572,53 @@ def host_us_per_call(call: Callable[[], object]) -> float:
     issued = time.perf_counter()
     torch.cuda.synchronize()
     return round(1e6 * (issued - start) / CALLS_PER_GRAPH, 2)
+
+
+def host_profile(call: Callable[[], object], calls: int, cuda: bool) -> dict[str, Any]:
+    """Where the host's time goes issuing ``calls`` calls in a row, none waited for
+    (cProfile, which adds its own cost to every Python call it sees): ``us_per_call`` in all,
+    and the ``HOST_PROFILE_TOP`` functions that spent most of it themselves, in us per call.
+    A GPU step whose host time a call is near its device time waits on these."""
+    import cProfile
+    import pstats
+
+    if cuda:
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    issued = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    functions = [
+        {"function": f"{Path(path).parent.name}/{Path(path).name}:{line}({name})" if line
+         else name,
+         "calls": round(count / calls, 1), "self_us": round(1e6 * own / calls, 1),
+         "cumulative_us": round(1e6 * cumulative / calls, 1)}
+        for (path, line, name), (_, count, own, cumulative, _)
+        in pstats.Stats(profiler).stats.items()]  # type: ignore[attr-defined]
+    functions.sort(key=lambda f: -f["self_us"])
+    return {"us_per_call": round(1e6 * (issued - start) / calls, 1),
+            "functions": functions[:HOST_PROFILE_TOP]}
+
+
+def synchronizing(call: Callable[[], object]) -> str | None:
+    """Where one call made the host wait for the GPU (torch's sync debug mode: a tensor's
+    value read on the host, a blocking copy), the traceback's end; None if nowhere. Work
+    queued between a step's layers must not wait: each wait empties the device's queue."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    except RuntimeError:
+        return traceback.format_exc()[-1500:]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return None
 
 
 def device_us_per_call(call: Callable[[], object]) -> float:
@@ -873,6 +928,8 @@ class StepCostRun:
     graph_shapes: set[str]
     piecewise_shapes: set[str] = field(default_factory=set)
     model_name: str = ""
+    #: Gets the model and its caches once prefilled (``step_cost_section``'s ``keep``).
+    keep: dict[str, tuple[torch.nn.Module, Caches]] | None = None
 
     def block(self, model: str, shape: str, batch: int) -> dict[str, Any]:
         """The rows of one curve, as ``replay --verify-cost`` reads them (``--extract``)."""
@@ -993,7 +1050,10 @@ def time_graph(forward: Forward, eager_logits: torch.Tensor, repeats: int,
 
 
 def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
-                      save: Callable[[], None]) -> None:
+                      save: Callable[[], None],
+                      keep: dict[str, tuple[torch.nn.Module, Caches]] | None = None) -> None:
+    """The step-cost curves (module docstring); ``keep`` gets the first model and its
+    prefilled caches, for tree_profile."""
     result.update(
         timing=("ms_per_step: CUDA-graph replays as vLLM replays them: chains as one full "
                 "graph (timing cuda-graph; at batch 1 piecewise_ms_median beside it, the mode "
@@ -1023,7 +1083,8 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
             # Each model starts with graphs: one that failed to capture for another does not
             # make this one's curves eager.
             run = StepCostRun(plan, result, deadline, {"chain", "tree"} if plan.cuda else set(),
-                              {"chain", "tree"} if plan.cuda else set(), shape.name)
+                              {"chain", "tree"} if plan.cuda else set(), shape.name,
+                              keep if shape == plan.models[0] else None)
             try:
                 finished = measure_model(run, shape, save)
             except Exception:
@@ -1032,7 +1093,8 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
                                          "error": traceback.format_exc()[-3000:]})
                 log(result["errors"][-1]["error"])
                 finished = True
-            # The model and its caches are garbage now; give their memory to the next one.
+            # The model and its caches are garbage now (unless kept); give their memory to
+            # the next one.
             gc.collect()
             if plan.cuda:
                 torch.cuda.empty_cache()
@@ -1075,6 +1137,8 @@ def measure_model(run: StepCostRun, shape: ModelShape, save: Callable[[], None])
     log(f"{shape.name}: built with caches in {time.monotonic() - start:.1f} s")
     prefill(model, caches, max(plan.contexts), plan)
     log(f"{shape.name}: prefilled in {time.monotonic() - start:.1f} s")
+    if run.keep is not None:
+        run.keep[shape.name] = (model, caches)
     for batch in plan.batches:
         for context in plan.contexts:
             for kind in ("chain", "tree"):
@@ -1115,10 +1179,14 @@ def prefill(model: torch.nn.Module, caches: Caches, context: int, plan: Plan) ->
 # --- Section: where a tree step's time goes --------------------------------------------------
 
 
-def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
+def tree_profile_section(plan: Plan, result: dict[str, Any],
+                         built: dict[str, tuple[torch.nn.Module, Caches]] | None = None) -> None:
     """Each kernel's device time in a chain's and a tree's verify forward of as many tokens
     (eager: a CUDA graph replays the same kernels), the first model at batch 1, the shortest
-    context, the longest draft; on CPU (``--tiny``) each op's CPU time."""
+    context, the longest draft; on CPU (``--tiny``) each op's CPU time. Beside them the host's
+    time (``host``: eager, and on a GPU ``host_piecewise``: the forward as vLLM runs it while
+    trees are on) and what made it wait for the device (``syncs``). ``built``: the model and
+    its prefilled caches where step_cost kept them (building an 8B model again took 19 s)."""
     from torch.profiler import ProfilerActivity, profile
 
     shape, context, n = plan.models[0], min(plan.contexts), max(plan.draft_lens)
@@ -1127,9 +1195,12 @@ def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
                   forwards=PROFILE_FORWARDS, tree_launch=dict(plan.tree_launch),
                   unit="device us per forward" if plan.cuda else "CPU us per forward")
     with torch.inference_mode():
-        model = build_model(shape, plan)
-        caches = Caches.allocate(shape, 1, context + 1 + n, plan)
-        prefill(model, caches, context, plan)
+        if built and shape.name in built:
+            model, caches = built.pop(shape.name)
+        else:
+            model = build_model(shape, plan)
+            caches = Caches.allocate(shape, 1, context + 1 + n, plan)
+            prefill(model, caches, context, plan)
         for kind in ("chain", "tree"):
             forward = verify_forward(model, caches, chain(n) if kind == "chain"
                                      else verify_tree(n), 1, context, plan)
@@ -1141,8 +1212,15 @@ def tree_profile_section(plan: Plan, result: dict[str, Any]) -> None:
                 if plan.cuda:
                     torch.cuda.synchronize()
             result[kind] = kernel_times(prof.key_averages(), plan.cuda)
-            log(f"{kind}: {result[kind]['total_us']} us per forward; "
-                f"{result[kind]['kernels'][:3]}")
+            result[kind]["host"] = host_profile(forward, PROFILE_FORWARDS, plan.cuda)
+            if plan.cuda:
+                result[kind]["syncs"] = synchronizing(forward)
+                pieces, _ = capture_pieces(forward, torch.cuda.graph_pool_handle())
+                pieces.replay()
+                result[kind]["host_piecewise"] = host_profile(pieces.replay, PROFILE_FORWARDS,
+                                                              True)
+            log(f"{kind}: {result[kind]['total_us']} us per forward, host "
+                f"{result[kind]['host']['us_per_call']} us; {result[kind]['kernels'][:3]}")
     result["ok"] = True
 
 
@@ -1184,6 +1262,12 @@ def markdown(result: dict[str, Any]) -> str:
                       f"{rule['defaults_us']} us).", ""]
         if "checks" in section:
             lines += _check_lines(section["checks"])
+            for c in section["checks"]:
+                if "host_profile" in c:
+                    lines += _host_lines(c["case"], c["host_profile"])
+                if c.get("syncs"):
+                    lines += [f"{c['case']}: waited for the device:", "", "```", c["syncs"],
+                              "```", ""]
         elif "blocks" in section:
             lines += _step_cost_lines(section)
         elif "tree" in section and "chain" in section:
@@ -1229,7 +1313,20 @@ def _profile_lines(section: dict[str, Any]) -> list[str]:
         lines += [f"{kind}: {section[kind]['total_us']} us in all", "", "| kernel | us | calls |",
                   "|---|---|---|", *(f"| `{k['name'][:90]}` | {k['us']} | {k['calls']} |"
                                      for k in section[kind]["kernels"]), ""]
+        for mode in ("host", "host_piecewise"):
+            if mode in section[kind]:
+                lines += _host_lines(f"{kind}, {mode}", section[kind][mode])
+        if section[kind].get("syncs"):
+            lines += [f"{kind}: waited for the device:", "", "```", section[kind]["syncs"],
+                      "```", ""]
     return lines
+
+
+def _host_lines(title: str, profile: dict[str, Any]) -> list[str]:
+    return [f"{title}: {profile['us_per_call']} us of host time a call (cProfile on)", "",
+            "| function | calls | self us | cumulative us |", "|---|---|---|---|",
+            *(f"| `{f['function'][:90]}` | {f['calls']} | {f['self_us']} | "
+              f"{f['cumulative_us']} |" for f in profile["functions"]), ""]
 
 
 def extract(results: Path, model: str, shape: str, batch: int, context: int | None,
@@ -1326,12 +1423,16 @@ def run_all(plan: Plan, out: Path, time_limit: float, argv: list[str] | None,
                              *(sys.argv[1:] if argv is None else argv)]),
         "tiny": not plan.cuda, "device": device_info(plan)})
     log(json.dumps(report.result["device"]))
+    # The first model as step_cost built and prefilled it, for tree_profile.
+    built: dict[str, tuple[torch.nn.Module, Caches]] = {}
+    profiled = "tree_profile" in sections
     measures = {
         "kernels": lambda plan, r, save: kernels_section(plan, r),
         "paged_kernel": lambda plan, r, save: paged_section(plan, r, save),
         "stream_safety": lambda plan, r, save: stream_safety_section(plan, r),
-        "step_cost": lambda plan, r, save: step_cost_section(plan, start + time_limit, r, save),
-        "tree_profile": lambda plan, r, save: tree_profile_section(plan, r)}
+        "step_cost": lambda plan, r, save: step_cost_section(plan, start + time_limit, r, save,
+                                                             built if profiled else None),
+        "tree_profile": lambda plan, r, save: tree_profile_section(plan, r, built)}
     for name in SECTIONS:
         if name in sections:
             report.section(name, functools.partial(measures[name], plan))

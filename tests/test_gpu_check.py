@@ -19,6 +19,7 @@ import torch
 
 from benchmarks import gpu_check
 from benchmarks.gpu_check import (
+    HOST_PROFILE_TOP,
     PROFILE_TOP,
     TINY_PLAN,
     Report,
@@ -158,6 +159,12 @@ def test_tiny_run_profiles_a_chain_and_a_tree_step(tiny_run):
         assert 0 < len(kernels) <= PROFILE_TOP
         times = [k["us"] for k in kernels]
         assert times == sorted(times, reverse=True) and profile[kind]["total_us"] >= sum(times)
+        host = profile[kind]["host"]["functions"]
+        assert 0 < len(host) <= HOST_PROFILE_TOP
+        assert [f["self_us"] for f in host] == sorted((f["self_us"] for f in host),
+                                                      reverse=True)
+    # The tree's eager forward issues the paged kernel (interpreted here) from every layer.
+    assert profile["tree"]["host"]["us_per_call"] > profile["chain"]["host"]["us_per_call"]
     assert "| kernel | us | calls |" in out.with_suffix(".md").read_text()
 
 
@@ -489,7 +496,7 @@ def test_a_fitted_rule_launches_the_later_sections_trees(monkeypatch, tmp_path):
             "trees": [[70, 4]], "defaults": {"block_m": 16, "min_split_tokens": 1024},
             "defaults_us": 20.0, "defaults_slowdown": 2.0})
 
-    def step_cost(plan, deadline, result, save):
+    def step_cost(plan, deadline, result, save, keep=None):
         seen["step_cost"] = plan.tree_launch
         result["ok"] = True
 
@@ -502,3 +509,53 @@ def test_a_fitted_rule_launches_the_later_sections_trees(monkeypatch, tmp_path):
         "swept trees, 10.0 us" in (tmp_path / "r.md").read_text()
     gpu_check.run_all(TINY_PLAN, tmp_path / "r.json", 10.0, [], ("step_cost",))
     assert seen["step_cost"] == ()
+
+
+def _leaf() -> None:
+    pass
+
+
+def _three_leaves() -> None:
+    for _ in range(3):
+        _leaf()
+
+
+def test_a_host_profile_counts_each_function_per_call():
+    profile = gpu_check.host_profile(_three_leaves, 4, False)
+    functions = {f["function"]: f for f in profile["functions"]}
+    assert functions["tests/test_gpu_check.py:" + str(_leaf.__code__.co_firstlineno)
+                     + "(_leaf)"]["calls"] == 3.0
+    caller = functions["tests/test_gpu_check.py:" + str(_three_leaves.__code__.co_firstlineno)
+                       + "(_three_leaves)"]
+    assert caller["calls"] == 1.0 and caller["cumulative_us"] >= caller["self_us"]
+    times = [f["self_us"] for f in profile["functions"]]
+    assert times == sorted(times, reverse=True) and profile["us_per_call"] > 0
+
+
+def test_the_profile_takes_the_model_the_step_cost_section_built(monkeypatch, tmp_path):
+    """Building Llama-3-8B again for tree_profile took 19 s of device time."""
+    pytest.importorskip("transformers")
+    from vllm_retrieval_spec.kernels.paged_tree_attention import paged_tree_attention_reference
+
+    def measure(self, model, caches, shape, batch, context, n):
+        return {"context_tokens": context, "draft_len": n, "ms_per_step_median": 1.0,
+                "ms_per_step": [1.0], "eager_ms_median": 1.0, "timing": "eager"}
+
+    def reference(*args, splits=None, block_m=None, min_split_tokens=None, **kwargs):
+        # In this process Triton compiles for a GPU; the kernel's own test runs interpreted.
+        return paged_tree_attention_reference(*args, **kwargs)
+
+    built = []
+    build = gpu_check.build_model
+    monkeypatch.setattr(gpu_check, "build_model",
+                        lambda shape, plan: built.append(shape.name) or build(shape, plan))
+    monkeypatch.setattr(StepCostRun, "measure", measure)
+    monkeypatch.setattr(gpu_check, "paged_tree_attention", reference)
+    monkeypatch.setattr(gpu_check, "interpreting", lambda: True)
+    out = tmp_path / "r.json"
+    gpu_check.run_all(TINY_PLAN, out, 600.0, [], ("step_cost", "tree_profile"))
+    profile = json.loads(out.read_text())["sections"]["tree_profile"]
+    assert built == ["tiny"] and profile["ok"] is True
+    assert profile["tree"]["host"]["functions"] and "syncs" not in profile["tree"]
+    gpu_check.run_all(TINY_PLAN, out, 600.0, [], ("tree_profile",))
+    assert built == ["tiny", "tiny"]
