@@ -44,9 +44,11 @@ class PagedTrees:
     max_context: int
     #: The most nodes a tree computes (count - first): the kernel's programs cover these.
     max_rows: int
+    #: Trees: every layer's launch reads it, and a tensor's length costs the host more.
+    num_trees: int
 
     def __len__(self) -> int:
-        return len(self.count)
+        return self.num_trees
 
 
 class PagedTreeBuffers:
@@ -102,7 +104,7 @@ class PagedTreeBuffers:
         columns = meta[:fields].view(5, trees)
         _build_masks(meta[fields:].view(trees, max_nodes), columns[2], masks, table, counts)
         return PagedTrees(*columns, masks, max_nodes, max(context_len, default=0),
-                          max((c - f for c, f in zip(counts, first)), default=0))
+                          max((c - f for c, f in zip(counts, first)), default=0), trees)
 
 
 def paged_trees(parents: Sequence[Sequence[int]], node_start: Sequence[int],
@@ -202,6 +204,8 @@ class PagedLaunch:
     chunk: int
 
 
+# Every layer of a step launches alike: computed once, for its first.
+@functools.lru_cache(maxsize=64)
 def paged_launch(trees: int, rows: int, num_heads: int, num_kv_heads: int, context: int,
                  dtype: torch.dtype, sms: int, splits: int | None = None,
                  block_m: int | None = None,
@@ -242,10 +246,12 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     output = torch.empty_like(query) if output is None else output
     if not trees.max_rows:
         return output
-    for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
-                    ("value_cache", value_cache), ("output", output)):
-        if t.stride(-1) != 1:
+    strides = [t.stride() for t in (query, key, value, key_cache, value_cache, output)]
+    for name, stride in zip(("query", "key", "value", "key_cache", "value_cache", "output"),
+                            strides):
+        if stride[-1] != 1:
             raise ValueError(f"{name} must have unit stride in its head dimension")
+    q_strides, k_strides, v_strides, kc_strides, vc_strides, out_strides = strides
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1:3]
     launch = paged_launch(len(trees), trees.max_rows, num_heads, num_kv_heads,
@@ -253,17 +259,16 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                           splits, block_m, min_split_tokens)
     splits, chunk = launch.splits, launch.chunk
     block_d = max(16, triton.next_power_of_2(head_dim))
-    partial = torch.empty((splits, len(trees) * trees.max_nodes * num_heads, 2 + block_d)
-                          if splits > 1 else (0,), dtype=torch.float32, device=query.device)
+    # Unsplit, the kernel stores no partials: any pointer will do, and no allocation is made.
+    partial = torch.empty((splits, len(trees) * trees.max_nodes * num_heads, 2 + block_d),
+                          dtype=torch.float32, device=query.device) if splits > 1 else output
     mask_kernel, attention_kernel, combine_kernel = _kernels()
     attention_kernel[(launch.row_blocks, num_kv_heads, len(trees) * splits)](
         query, key, value, key_cache, value_cache, block_table, output, partial,
         trees.node_start, trees.first, trees.count, trees.context_len, trees.table_row,
         trees.mask, head_dim, scale * math.log2(math.e), chunk, num_heads, trees.max_nodes,
-        splits, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), key_cache.stride(0), key_cache.stride(1),
-        key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), output.stride(0), output.stride(1),
+        splits, *q_strides[:2], *k_strides[:2], *v_strides[:2], *kc_strides[:3],
+        *vc_strides[:3], block_table.stride(0), *out_strides[:2],
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, BLOCK_M=launch.block_m,
         BLOCK_L=launch.block_l, BLOCK_D=block_d,
         DOT_F32=query.dtype == torch.bfloat16 and _interpreting(),
@@ -273,8 +278,8 @@ def paged_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         rows = len(trees) * trees.max_nodes * num_heads
         combine_kernel[(triton.cdiv(rows, tree_attention.BLOCK_R),)](
             partial, output, trees.node_start, trees.first, trees.count, trees.context_len,
-            rows, num_heads, trees.max_nodes, head_dim, splits, chunk, output.stride(0),
-            output.stride(1), BLOCK_R=tree_attention.BLOCK_R, BLOCK_D=block_d)
+            rows, num_heads, trees.max_nodes, head_dim, splits, chunk, *out_strides[:2],
+            BLOCK_R=tree_attention.BLOCK_R, BLOCK_D=block_d)
     return output
 
 
