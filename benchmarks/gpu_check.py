@@ -1212,16 +1212,28 @@ def tree_profile_section(plan: Plan, result: dict[str, Any],
                 if plan.cuda:
                     torch.cuda.synchronize()
             result[kind] = kernel_times(prof.key_averages(), plan.cuda)
-            result[kind]["host"] = host_profile(forward, PROFILE_FORWARDS, plan.cuda)
-            if plan.cuda:
-                result[kind]["syncs"] = synchronizing(forward)
-                pieces, _ = capture_pieces(forward, torch.cuda.graph_pool_handle())
-                pieces.replay()
-                result[kind]["host_piecewise"] = host_profile(pieces.replay, PROFILE_FORWARDS,
-                                                              True)
-            log(f"{kind}: {result[kind]['total_us']} us per forward, host "
-                f"{result[kind]['host']['us_per_call']} us; {result[kind]['kernels'][:3]}")
+            try:
+                result[kind].update(host_times(forward, plan))
+            except Exception:
+                # The device times stand without the host's.
+                result[kind]["host_error"] = traceback.format_exc()[-1500:]
+                log(result[kind]["host_error"])
+            log(f"{kind}: {result[kind]['total_us']} us per forward; "
+                f"{result[kind]['kernels'][:3]}")
     result["ok"] = True
+
+
+def host_times(forward: Forward, plan: Plan) -> dict[str, Any]:
+    """The host's time in a verify forward (:func:`host_profile`): eager (``host``), and on a
+    GPU as vLLM runs it while trees are on (``host_piecewise``), with what made the host wait
+    for the device (``syncs``)."""
+    times: dict[str, Any] = {"host": host_profile(forward, PROFILE_FORWARDS, plan.cuda)}
+    if plan.cuda:
+        times["syncs"] = synchronizing(forward)
+        pieces, _ = capture_pieces(forward, torch.cuda.graph_pool_handle())
+        pieces.replay()
+        times["host_piecewise"] = host_profile(pieces.replay, PROFILE_FORWARDS, True)
+    return times
 
 
 def kernel_times(events: Any, cuda: bool) -> dict[str, Any]:
@@ -1316,9 +1328,10 @@ def _profile_lines(section: dict[str, Any]) -> list[str]:
         for mode in ("host", "host_piecewise"):
             if mode in section[kind]:
                 lines += _host_lines(f"{kind}, {mode}", section[kind][mode])
-        if section[kind].get("syncs"):
-            lines += [f"{kind}: waited for the device:", "", "```", section[kind]["syncs"],
-                      "```", ""]
+        for key, title in (("syncs", "waited for the device"),
+                           ("host_error", "host times failed")):
+            if section[kind].get(key):
+                lines += [f"{kind}: {title}:", "", "```", section[kind][key], "```", ""]
     return lines
 
 

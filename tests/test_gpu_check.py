@@ -559,3 +559,14 @@ def test_the_profile_takes_the_model_the_step_cost_section_built(monkeypatch, tm
     assert profile["tree"]["host"]["functions"] and "syncs" not in profile["tree"]
     gpu_check.run_all(TINY_PLAN, out, 600.0, [], ("tree_profile",))
     assert built == ["tiny", "tiny"]
+
+    def fails(forward, plan):
+        raise RuntimeError("capture failed")
+
+    # A device run is one chance: the kernels' times stand without the host's.
+    monkeypatch.setattr(gpu_check, "host_times", fails)
+    gpu_check.run_all(TINY_PLAN, out, 600.0, [], ("tree_profile",))
+    profile = json.loads(out.read_text())["sections"]["tree_profile"]
+    assert profile["ok"] is True and profile["tree"]["kernels"]
+    assert "capture failed" in profile["tree"]["host_error"]
+    assert "tree: host times failed:" in out.with_suffix(".md").read_text()
