@@ -187,7 +187,7 @@ def test_walk_and_kv_moves_in_the_gpu_layout():
     num_drafts = [0, 6, 3, 4]
     vocab = 1000
     logits = torch.zeros(sum(num_drafts) + len(num_drafts), vocab)
-    wanted = {1: [100, 101, 999, 0, 0, 0, 0],    # t1: root -> node 0, node 0 -> node 1; bonus
+    wanted = {1: [100, 104, 0, 0, 0, 105, 999],  # t1: root -> node 0 -> node 4 -> node 5; bonus
               3: [101, 0, 102, 7, 0]}              # t2: root -> node 1, node 1 -> node 2; bonus 7
     starts = np.cumsum([0, *[d + 1 for d in num_drafts]])
     for row, tokens in wanted.items():
@@ -196,28 +196,31 @@ def test_walk_and_kv_moves_in_the_gpu_layout():
     draft_ids = torch.tensor([100 + i for d in num_drafts for i in range(d)])
     walks = verifier.walk(logits, num_drafts, draft_ids)
     assert [(tree.row, tokens, path) for tree, tokens, path in walks] == [
-        (1, [100, 101, 999], [0, 1]), (3, [101, 102, 7], [1, 2])]
-    sampled = torch.full((4, 7), 5)
+        (1, [100, 104, 105, 999], [0, 4, 5]), (3, [101, 102, 7], [1, 2])]
+    sampled = torch.full((4, 7), 5, dtype=torch.int32)
     verifier.accept(walks, sampled)
-    assert sampled[1].tolist() == [100, 101, 999, -1, -1, -1, -1]
+    assert sampled[1].tolist() == [100, 104, 105, 999, -1, -1, -1]
     assert sampled[3].tolist() == [101, 102, 7, -1, -1, -1, -1]
-    assert sampled[2].tolist() == [5] * 7
-    assert verifier.last_nodes == {1: 1, 3: 2}
-    # t1's path is nodes 0, 1, already in place; t2's nodes 1, 2 move to offsets 1, 2 after its
-    # root (position 3): positions 5, 6 -> 4, 5.
-    table = inputs["block_table"][3]
+    assert sampled[2].tolist() == [5] * 7 and sampled.dtype == torch.int32
+    assert verifier.last_nodes == {1: 5, 3: 2}
+    # Both trees' paths move, in one gather and one scatter a layer. t1's nodes 4, 5 go to
+    # offsets 2, 3 after its root (position 37): positions 42, 43 -> 39, 40; t2's nodes 1, 2
+    # to offsets 1, 2 after its root (position 3): positions 5, 6 -> 4, 5.
+    moved = {1: ((42, 39), (43, 40)), 3: ((5, 4), (6, 5))}
 
-    def at(cache, position):
+    def at(cache, row, position):
+        table = inputs["block_table"][row]
         return cache[int(table[position // BLOCK_SIZE]), position % BLOCK_SIZE]
 
     for kv_cache, old in zip(caches, before):
         key_cache, value_cache = CudaPagedKV(HEAD_DIM, "cpu").split(kv_cache)
         old_keys, old_values = CudaPagedKV(HEAD_DIM, "cpu").split(old)
-        for source, target in ((5, 4), (6, 5)):
-            assert torch.equal(at(key_cache, target), at(old_keys, source))
-            assert torch.equal(at(value_cache, target), at(old_values, source))
+        for row, pairs in moved.items():
+            for source, target in pairs:
+                assert torch.equal(at(key_cache, row, target), at(old_keys, row, source))
+                assert torch.equal(at(value_cache, row, target), at(old_values, row, source))
         changed = (kv_cache != old).any(dim=(1, 3))
-        assert int(changed.sum()) == 2                  # one block, both kv heads, 2 slots
+        assert int(changed.sum()) == 4                  # two blocks, 2 slots each
     assert verifier.step is None
 
 

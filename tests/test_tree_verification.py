@@ -189,6 +189,13 @@ def test_paged_kv_reads_what_vllm_cpu_writes():
     paged.write(kv_cache, slots, keys, values)
     read_keys, read_values = paged.read(kv_cache, slots)
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    # Moved with slots that are a strided view (vLLM's writer reads a slot mapping as
+    # contiguous): slot 3's entry to slot 7, slot 99's to slot 64, read before written.
+    pairs = torch.tensor([[3, 7], [40, 41], [99, 64]], dtype=torch.int64)
+    paged.mover(pairs[:, 0], pairs[:, 1], 32)(kv_cache)
+    moved_keys, moved_values = paged.read(kv_cache, torch.tensor([7, 41, 64]))
+    assert torch.equal(moved_keys, keys[[0, 1, 3]]) and torch.equal(moved_values,
+                                                                     values[[0, 1, 3]])
     # A reader with the wrong layout is caught by the start-up check.
     wrong = PagedKV(paged.isa, 64)
     wrong.read = lambda cache, s: (paged.read(cache, s)[1], paged.read(cache, s)[0])

@@ -463,30 +463,42 @@ class TreeVerifier:
 
     def accept(self, walks: list[tuple[TreeRow, list[int], list[int]]], sampled: Any) -> None:
         """Replace the tree rows of vLLM's sampled tokens (``[num_reqs, max_spec_len + 1]``)
-        with their accepted path and bonus token, and move the path's KV entries into place."""
+        with their accepted path and bonus token, and move the paths' KV entries into place:
+        every tree at once, so a step's host work does not grow with its trees."""
         step, self.step = self.step, None
-        if step is None:
+        if step is None or not walks:
             return
-        for tree, row, path in walks:
-            sampled[tree.row].fill_(PLACEHOLDER_TOKEN_ID)
-            sampled[tree.row, :len(row)] = sampled.new_tensor(row)
-            self._move(step, tree, path_moves(path))
-            self.last_nodes[tree.row] = path[-1] if path else -1
+        import torch
 
-    def _move(self, step: TreeStep, tree: TreeRow, moves: list[tuple[int, int]]) -> None:
+        # One copy to the device: each tree's batch row, then its row of sampled tokens.
+        rows = np.full((len(walks), 1 + sampled.shape[1]), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+        moves = []
+        for b, (tree, tokens, path) in enumerate(walks):
+            rows[b, 0] = tree.row
+            rows[b, 1:1 + len(tokens)] = tokens
+            moves += [(tree.row, tree.base + source, tree.base + target)
+                      for source, target in path_moves(path)]
+            self.last_nodes[tree.row] = path[-1] if path else -1
+        rows = torch.from_numpy(rows).to(sampled.device)
+        sampled[rows[:, 0]] = rows[:, 1:].to(sampled.dtype)
+        self._move(step, moves)
+
+    def _move(self, step: TreeStep, moves: list[tuple[int, int, int]]) -> None:
+        """Copy the KV entry of each (batch row, source position, target position) in every
+        layer's cache. Trees' entries lie in their own requests' blocks, and a layer's are all
+        read before any is written (``path_moves``' order needs no more)."""
         if not moves or step.block_table is None:
             return
         import torch
 
-        offsets = torch.tensor(moves, dtype=torch.int64) + tree.base
+        table = step.block_table
         # Every layer's cache shares the block table and block size: the slots are found once.
         block_size = next(iter(step.kv_caches.values())).shape[2]
-        table = step.block_table[tree.row].to(torch.int64)
-        source, target = (table[offsets[:, i] // block_size] * block_size
-                          + offsets[:, i] % block_size for i in (0, 1))
+        rows, positions = torch.tensor(moves, dtype=torch.int64).to(table.device).split(
+            [1, 2], dim=1)
+        slots = table[rows, positions // block_size].to(torch.int64) * block_size \
+            + positions % block_size
+        source, target = slots.unbind(1)
+        move = self.paged.mover(source, target, block_size)
         for kv_cache in step.kv_caches.values():
-            # All sources are read before any target is written.
-            keys, values = self.paged.read(kv_cache, source)
-            self.paged.write(kv_cache, target, keys.contiguous(), values.contiguous())
-
-
+            move(kv_cache)

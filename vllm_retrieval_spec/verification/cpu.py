@@ -4,6 +4,7 @@ checked once against vLLM's own writer, and the tree rows' attention over it in 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,8 +107,19 @@ class PagedKV:
         from vllm import _custom_ops as ops
 
         key_cache, value_cache = self._split(kv_cache)
-        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, self.isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        # The op reads the slot mapping as a contiguous array, whatever its strides.
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots.contiguous(),
+                                       self.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    def mover(self, source: Any, target: Any, block_size: int) -> Callable[[Any], None]:
+        """Copies a layer's entries at ``source`` slots to ``target`` slots, all read before
+        any is written (vLLM's writer, as for any entry)."""
+
+        def move(kv_cache: Any) -> None:
+            keys, values = self.read(kv_cache, source)
+            self.write(kv_cache, target, keys.contiguous(), values.contiguous())
+
+        return move
 
     def check(self, kv_cache: Any) -> bool:
         """Write random entries with vLLM's writer into a scratch cache shaped like

@@ -15,6 +15,7 @@ full CUDA graphs, or attention fused with its output quantization.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm_retrieval_spec.verification.core import (
@@ -77,17 +78,19 @@ class CudaPagedKV:
         paged_tree_attention(query, key, value, key_cache, value_cache, block_table,
                              step.attention, scale, output=output)
 
-    def read(self, kv_cache: Any, slots: Any) -> tuple[Any, Any]:
-        """Keys and values ``[len(slots), num_kv_heads, head_size]`` of ``slots`` (copies)."""
-        key_cache, value_cache = self.split(kv_cache)
-        blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
-        return key_cache[blocks, offsets], value_cache[blocks, offsets]
+    @staticmethod
+    def mover(source: Any, target: Any, block_size: int) -> Callable[[Any], None]:
+        """Copies a layer's entries at ``source`` slots to ``target`` slots: keys and values
+        together (an entry's lie side by side in the cache), one gather and one scatter a
+        layer, the slots' blocks and offsets found once for every layer."""
+        source_blocks, source_offsets = source // block_size, source % block_size
+        target_blocks, target_offsets = target // block_size, target % block_size
 
-    def write(self, kv_cache: Any, slots: Any, keys: Any, values: Any) -> None:
-        key_cache, value_cache = self.split(kv_cache)
-        blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
-        key_cache[blocks, offsets] = keys
-        value_cache[blocks, offsets] = values
+        def move(kv_cache: Any) -> None:
+            kv_cache[target_blocks, :, target_offsets] = \
+                kv_cache[source_blocks, :, source_offsets]
+
+        return move
 
 
 def cuda_tree_verifier(runner: Any) -> TreeVerifier:
