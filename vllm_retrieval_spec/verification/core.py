@@ -323,7 +323,7 @@ class TreeVerifier:
     def __init__(self, paged: Any) -> None:
         #: The attention backend's paged KV cache (``verification.cpu.PagedKV``,
         #: ``verification.cuda.CudaPagedKV``): prepares a step's trees, attends their rows over
-        #: the cache, reads and writes its entries.
+        #: the cache, and copies its entries from slot to slot (``mover``).
         self.paged = paged
         self.step: TreeStep | None = None
         #: Batch row -> index of the last accepted node (-1: none) of the last step's trees:
@@ -464,7 +464,8 @@ class TreeVerifier:
     def accept(self, walks: list[tuple[TreeRow, list[int], list[int]]], sampled: Any) -> None:
         """Replace the tree rows of vLLM's sampled tokens (``[num_reqs, max_spec_len + 1]``)
         with their accepted path and bonus token, and move the paths' KV entries into place:
-        every tree at once, so a step's host work does not grow with its trees."""
+        every tree's at once: two copies to the device and one move a layer, however many trees
+        the step has."""
         step, self.step = self.step, None
         if step is None or not walks:
             return
