@@ -234,6 +234,24 @@ def test_build_datastore_with_a_model_without_a_tokenizer(tmp_path, model):
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.parametrize("case, message", [
+    ("missing source", r"^error: source .*typo\.txt does not exist$"),
+    ("built output", r"^error: .*ds already holds a datastore; pass overwrite=True"),
+    ("no sources", r"^error: give sources to build a datastore from, or --dense"),
+])
+def test_build_datastore_checks_its_arguments_before_the_model(monkeypatch, tmp_path, case,
+                                                               message):
+    # Before: the offline model was fetched and converted (half a minute) first.
+    monkeypatch.setattr(cli, "resolve_model", lambda model: pytest.fail("model resolved"))
+    (tmp_path / "doc.txt").write_text("hello")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "manifest.json").write_text("{}")
+    sources = {"missing source": [str(tmp_path / "typo.txt")],
+               "built output": [str(tmp_path / "doc.txt")], "no sources": []}[case]
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["build-datastore", *sources, "-o", str(tmp_path / "ds")])
+
+
 def test_a_models_tokenizer_is_loaded_once(monkeypatch):
     # bench loads it for its prompts and again for its warm-up text.
     import transformers
@@ -477,6 +495,8 @@ def test_ctrl_c_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(build, "build_datastore", interrupted)
+    # Not the offline model: converting it on an empty cache would print to stderr.
+    monkeypatch.setattr(cli, "resolve_model", lambda model: model)
     monkeypatch.setattr(cli, "load_tokenizer", lambda model: object())
     with pytest.raises(SystemExit) as exit:
         cli.main(["build-datastore", str(tmp_path), "-o", str(tmp_path / "ds")])

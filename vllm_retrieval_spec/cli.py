@@ -127,13 +127,24 @@ def load_tokenizer(model: str) -> Any:
 def build_datastore_command(args: argparse.Namespace) -> None:
     """Sources -> a new datastore; ``--dense`` adds DReSD's index (to an existing datastore
     when no sources are given)."""
+    from vllm_retrieval_spec.datastore.corpus import check_sources
+    from vllm_retrieval_spec.datastore.format import check_replaceable
+
+    sources = expand_sources(args.sources)
+    # All before the model: its first use converts it, half a minute to learn of a typo.
+    if not sources and not args.dense:
+        raise SystemExit("error: give sources to build a datastore from, or --dense to add a "
+                         "dense index to the existing datastore at --output")
+    if sources:
+        check_sources(sources)
+        check_replaceable(Path(args.output), args.overwrite)
     model = resolve_model(args.model)
-    if args.sources:
+    if sources:
         from vllm_retrieval_spec.datastore.build import build_datastore
 
         tokenizer = load_tokenizer(model)
         build_datastore(
-            expand_sources(args.sources), args.output, tokenizer,
+            sources, args.output, tokenizer,
             tokenizer_name=Path(model).name,
             text_field=args.text_field,
             messages_field=args.messages_field,
@@ -141,16 +152,13 @@ def build_datastore_command(args: argparse.Namespace) -> None:
             batch_size=args.batch_size,
             overwrite=args.overwrite,
         )
-    elif not args.dense:
-        raise SystemExit("error: give sources to build a datastore from, or --dense to add a "
-                         "dense index to the existing datastore at --output")
     if args.dense:
         from vllm_retrieval_spec.datastore.build import build_dense_index
 
         manifest = build_dense_index(
             args.output, model, dims=args.pca_dims, fit_samples=args.dense_fit_samples,
             dtype=args.dtype, window=args.dense_window, scann=args.dense_index == "scann",
-            overwrite=args.overwrite or bool(args.sources))
+            overwrite=args.overwrite or bool(sources))
         print(f"dense index {args.output}/dense: {manifest.num_keys:,} keys, "
               f"{manifest.dims} dims keep {manifest.explained_variance:.1%} of the variance, "
               f"search: {'ScaNN or exact' if manifest.scann else 'exact'}", file=sys.stderr)

@@ -390,7 +390,7 @@ def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False) -> Iter
     replaced only with ``overwrite=True``; a non-empty directory that is not a datastore never is.
     """
     output = Path(output)
-    _check_replaceable(output, overwrite)
+    check_replaceable(output, overwrite)
     # The parent first: atomic_path cannot even clear its temporary name under a file.
     make_output_dir(output.parent, output)
     with atomic_path(output) as tmp:
@@ -398,7 +398,7 @@ def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False) -> Iter
         yield tmp
         if not (tmp / MANIFEST_FILE).is_file():
             raise RuntimeError(f"the build did not write {MANIFEST_FILE} into {tmp}")
-        _check_replaceable(output, overwrite)
+        check_replaceable(output, overwrite)
 
 
 def make_output_dir(directory: Path, output: Path) -> None:
@@ -413,7 +413,9 @@ def make_output_dir(directory: Path, output: Path) -> None:
         ) from None
 
 
-def _check_replaceable(output: Path, overwrite: bool) -> None:
+def check_replaceable(output: Path, overwrite: bool) -> None:
+    """``output`` may receive a new datastore: checked again after the build, and by the CLI
+    before it loads a model (the first use converts one, half a minute)."""
     if output.name in ("", ".."):
         # ".", ".." or "/": no name to put the temporary directory beside and rename into place.
         raise DatastoreError(
