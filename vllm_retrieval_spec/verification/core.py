@@ -464,14 +464,14 @@ class TreeVerifier:
     def accept(self, walks: list[tuple[TreeRow, list[int], list[int]]], sampled: Any) -> None:
         """Replace the tree rows of vLLM's sampled tokens (``[num_reqs, max_spec_len + 1]``)
         with their accepted path and bonus token, and move the paths' KV entries into place:
-        every tree's at once: two copies to the device and one move a layer, however many trees
+        every tree's at once: one copy to the device and one move a layer, however many trees
         the step has."""
         step, self.step = self.step, None
         if step is None or not walks:
             return
         import torch
 
-        # One copy to the device: each tree's batch row, then its row of sampled tokens.
+        # Each tree's batch row, then its row of sampled tokens.
         rows = np.full((len(walks), 1 + sampled.shape[1]), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
         moves = []
         for b, (tree, tokens, path) in enumerate(walks):
@@ -480,24 +480,26 @@ class TreeVerifier:
             moves += [(tree.row, tree.base + source, tree.base + target)
                       for source, target in path_moves(path)]
             self.last_nodes[tree.row] = path[-1] if path else -1
-        rows = torch.from_numpy(rows).to(sampled.device)
-        sampled[rows[:, 0]] = rows[:, 1:].to(sampled.dtype)
-        self._move(step, moves)
+        # The moves ride in the rows' copy: each copy from pageable memory holds the host.
+        moves = np.asarray(moves, dtype=np.int64).reshape(-1, 3)
+        packed = torch.from_numpy(np.concatenate([rows.ravel(), moves.ravel()]))
+        rows_on_device, moves_on_device = packed.to(sampled.device).split([rows.size, moves.size])
+        rows_on_device = rows_on_device.view(rows.shape)
+        sampled[rows_on_device[:, 0]] = rows_on_device[:, 1:].to(sampled.dtype)
+        self._move(step, moves_on_device.view(moves.shape))
 
-    def _move(self, step: TreeStep, moves: list[tuple[int, int, int]]) -> None:
-        """Copy the KV entry of each (batch row, source position, target position) in every
-        layer's cache. Trees' entries lie in their own requests' blocks, and a layer's are all
-        read before any is written (``path_moves``' order needs no more)."""
-        if not moves or step.block_table is None:
+    def _move(self, step: TreeStep, moves: Any) -> None:
+        """Copy the KV entry of each (batch row, source position, target position), an int64
+        ``[n, 3]`` tensor on the cache's device, in every layer's cache. Trees' entries lie in
+        their own requests' blocks, and a layer's are all read before any is written
+        (``path_moves``' order needs no more)."""
+        if not len(moves) or step.block_table is None:
             return
-        import torch
-
         table = step.block_table
         # Every layer's cache shares the block table and block size: the slots are found once.
         block_size = next(iter(step.kv_caches.values())).shape[2]
-        rows, positions = torch.tensor(moves, dtype=torch.int64).to(table.device).split(
-            [1, 2], dim=1)
-        slots = table[rows, positions // block_size].to(torch.int64) * block_size \
+        rows, positions = moves.split([1, 2], dim=1)
+        slots = table[rows, positions // block_size].to(moves.dtype) * block_size \
             + positions % block_size
         source, target = slots.unbind(1)
         move = self.paged.mover(source, target, block_size)
