@@ -371,6 +371,27 @@ def test_a_snapshots_keys_load_into_the_requests_it_keeps(tmp_path):
         assert found == [[start + 5, start + 6, start + 7]]
 
 
+def test_purged_keys_take_no_neighbours_place_and_their_slots_refill():
+    rng = np.random.default_rng(13)
+    store = ServedDenseStore(6, DIMS, projection=identity_projection(), background=False)
+    purged, kept = np.arange(100, 110, dtype=np.int32), np.arange(200, 210, dtype=np.int32)
+    purged_states, kept_states = unit(rng, 3), unit(rng, 2)
+    store.add(purged, purged_states, np.arange(0, 3))
+    store.add(kept, kept_states, np.arange(0, 2))
+    store.retain([kept])
+    assert store.num_keys == 2
+    # Before: the purged key nearest the query came first and one neighbour drafted nothing.
+    neighbours, _ = store.search(purged_states[0], 1)
+    assert neighbours.tolist()[0] in (3, 4)
+    assert sorted(store.search(purged_states[0], 6)[0].tolist()) == [3, 4]
+    # The ring goes on at slot 5, then reuses the purged slots 0 and 1, unmarked.
+    refill = unit(rng, 3)
+    store.add(kept, refill, np.arange(3, 6))
+    assert store.num_keys == 5
+    assert sorted(store.search(refill[2], 6)[0].tolist()) == [0, 1, 3, 4, 5]
+    assert candidate_lists(store, refill[2], emitted=206, top_n=1)[0] == [[207, 208, 209]]
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_purged_requests_leave_the_dense_drafts_too(tmp_path, background):
     """A purge (or the age limit) drops requests from the sparse store; their dense keys point

@@ -14,8 +14,10 @@ are indexed once it is done.
 The keys live in an HNSW graph (hnswlib) that takes inserts: ScaNN 1.4.2 can upsert only into a
 searcher already trained on a database, which a store that starts empty does not have. Slots
 are a ring of ``max_keys``: once full, the oldest key's slot is overwritten by the newest
-(hnswlib updates a label in place), so the store is bounded without deletions; a purged request's
-slots are only emptied (``retain``), its keys stay in the graph until overwritten. Memory per slot:
+(hnswlib updates a label in place), so the store is bounded without deletions. A purged
+request's slots are emptied and its keys marked deleted (``retain``): searches no longer return
+them, so they take no neighbour's place, though their vectors stay in the graph's memory until
+the ring overwrites them. Memory per slot:
 the graph's ``4 * dims + 8 * M + 16`` bytes (400 at dims 64, M 16) plus about 80 for its
 pointer into the tokens (a Python tuple), so 96 MB at 200,000 keys; the whole graph is
 allocated when the first key is inserted.
@@ -99,6 +101,7 @@ class ServedDenseStore:
         #: read at once, since the inserting thread may point the slot at a newer key.
         self._slots: list[tuple[np.ndarray, int] | None] = []
         self._next_slot = 0
+        #: Keys a search can return: inserted, and neither overwritten nor purged.
         self.num_keys = 0
         #: Searches skipped because an insert held the graph; searches that found candidates.
         self.busy = 0
@@ -197,6 +200,9 @@ class ServedDenseStore:
         with self._lock:
             for slot in slots:
                 self._slots[slot] = None
+                # Unmarked by hnswlib when the ring reuses the slot.
+                self._graph.mark_deleted(slot)
+            self.num_keys -= len(slots)
 
     def project(self, states: Any) -> np.ndarray | None:
         """Unit queries [B, dims] for final hidden states [B, H] (torch, any device), or None
@@ -324,12 +330,15 @@ class ServedDenseStore:
                 # Inserts run in this one background thread: the engine needs the cores.
                 self._graph.set_num_threads(1)
                 self._slots = [None] * self.max_keys
-            # A slot already in the graph is updated in place: the ring's oldest key goes.
+            slots = slots.tolist()
+            new_keys = sum(self._slots[slot] is None for slot in slots)
+            # A slot already in the graph is updated in place (the ring's oldest key goes), a
+            # purged one's key is also unmarked.
             self._graph.add_items(keys, slots)
-            for slot, position in zip(slots.tolist(), positions.tolist()):
+            for slot, position in zip(slots, positions.tolist()):
                 self._slots[slot] = (document, position)
             self._next_slot = int((self._next_slot + len(keys)) % self.max_keys)
-            self.num_keys = min(self.max_keys, self.num_keys + len(keys))
+            self.num_keys += new_keys
 
 
 @dataclass(frozen=True)
