@@ -71,6 +71,29 @@ def test_names_a_changed_signature(monkeypatch):
         "('self', 'scheduler_output', 'sampled_token_ids')")
 
 
+def test_a_module_that_cannot_import_is_a_reason_only_where_it_is_patched(monkeypatch):
+    # Before: an ImportError here escaped register() and broke vLLM's start-up for everyone.
+    import importlib
+
+    real_import = importlib.import_module
+    failing = set()
+
+    def import_module(name, *args):
+        if name in failing:
+            raise ImportError(f"no {name} here")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    flash_attn = "vllm.v1.attention.backends.flash_attn"
+    failing |= {flash_attn, f"{flash_attn}.FlashAttentionImpl"}
+    monkeypatch.setattr(plugin, "_platform", lambda: "cpu")
+    assert plugin.vllm_incompatibility() is None
+    monkeypatch.setattr(plugin, "_platform", lambda: "accelerator")
+    assert plugin.vllm_incompatibility().startswith(
+        f"cannot import {flash_attn} (ImportError: no {flash_attn} here). vllm-retrieval-spec "
+        "supports vLLM 0.32.*")
+
+
 def test_on_another_vllm_nothing_is_patched_and_only_our_methods_fail(undo_register, monkeypatch,
                                                                        caplog):
     from vllm.engine.arg_utils import EngineArgs

@@ -103,9 +103,6 @@ PATCHES = (
 #: Added to vLLM: the drafting timings, for ``LLM.collective_rpc("rsd_drafting_stats")``.
 ADDED = {"vllm.v1.worker.gpu_worker.Worker.rsd_drafting_stats": drafter.drafting_stats}
 
-# The private methods we wrap and the parameters we rely on, in order.
-_WRAPPED_SIGNATURES = {patch.target: patch.parameters for patch in PATCHES}
-
 _registered = False
 #: Set once the incompatibility warning was logged, so vLLM's child processes (engine core,
 #: workers), which load every plugin again, do not repeat it.
@@ -131,9 +128,7 @@ def register() -> None:
             os.environ[_WARNED_ENV] = "1"
         _refuse_our_methods(problem)
         return
-    from vllm.platforms import current_platform
-
-    platform = "cpu" if current_platform.is_cpu() else "accelerator"
+    platform = _platform()
     for patch in PATCHES:
         if patch.where in ("all", platform):
             owner, name = _owner(patch.target)
@@ -144,6 +139,13 @@ def register() -> None:
                 setattr(owner, name, patch.wrap(getattr(owner, name)))
     for target, added in ADDED.items():
         setattr(*_owner(target), added)
+
+
+def _platform() -> str:
+    """The ``Patch.where`` this process's platform takes: "cpu" or "accelerator"."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "accelerator"
 
 
 def _owner(path: str) -> tuple[Any, str]:
@@ -163,8 +165,15 @@ def vllm_incompatibility() -> str | None:
             f"{DISABLE_ENV}=1 to run vLLM without this plugin")
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
         return f"found vLLM {vllm.__version__}. {hint}"
-    for path, expected in _WRAPPED_SIGNATURES.items():
-        owner, name = _owner(path)
+    platform = _platform()
+    for patch in PATCHES:
+        path, expected = patch.target, patch.parameters
+        try:
+            owner, name = _owner(path)
+        except Exception as e:  # a backend's module may need its platform's libraries
+            if patch.where not in ("all", platform):
+                continue  # not patched here; its signature is checked where it imports
+            return f"cannot import {path.rsplit('.', 2)[0]} ({type(e).__name__}: {e}). {hint}"
         method = getattr(owner, name, None)
         if method is None:
             return f"vLLM {vllm.__version__} has no {path}. {hint}"
