@@ -193,6 +193,15 @@ def test_bench_unknown_method_is_an_error_not_a_traceback(tmp_path):
         cli.main(["bench", "--model", str(model), "--methods", "ngram,nope"])
 
 
+def test_bench_checks_its_methods_before_fetching_the_model(monkeypatch):
+    from vllm_retrieval_spec import assets
+
+    monkeypatch.setattr(assets, "model_path",
+                        lambda name: pytest.fail("the model was fetched before the check"))
+    with pytest.raises(SystemExit, match="error: unknown method 'nope'"):
+        cli.main(["bench", "--methods", "ngram,nope"])
+
+
 @pytest.mark.parametrize("sampling", [["--top-p", "0.9"], ["--top-k", "5"]])
 def test_bench_sampling_options_need_a_temperature(tmp_path, sampling):
     with pytest.raises(SystemExit, match="error: --top-p and --top-k need --temperature above 0"):
@@ -520,6 +529,19 @@ def test_generate_corpus_refuses_a_task_or_offset_without_prompts(monkeypatch, t
                                          r"1000 on$"):
         cli.main(["generate-corpus", "--task", "code-gen", "--prompt-offset", "1000",
                   "-o", output])
+
+
+def test_generate_corpus_refuses_an_existing_file_before_fetching_the_model(monkeypatch,
+                                                                            tmp_path):
+    from vllm_retrieval_spec import assets
+
+    monkeypatch.setattr(assets, "model_path",
+                        lambda name: pytest.fail("the model was fetched before the check"))
+    output = tmp_path / "corpus.jsonl"
+    output.write_text("hours of answers\n")
+    with pytest.raises(SystemExit, match=r"corpus.jsonl exists; pass --overwrite to replace it"):
+        cli.main(["generate-corpus", "--task", "chat", "-o", str(output)])
+    assert output.read_text() == "hours of answers\n"
 
 
 @pytest.mark.parametrize("command", [["generate-corpus", "-o", "corpus.jsonl"], ["calibrate"]])

@@ -166,7 +166,7 @@ def build_datastore_command(args: argparse.Namespace) -> None:
 
 def generate_corpus_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.bench.tasks import task_conversations
-    from vllm_retrieval_spec.datastore.generate import generate_corpus
+    from vllm_retrieval_spec.datastore.generate import check_corpus_output, generate_corpus
 
     conversations = task_conversations(args.task, args.prompts, args.prompt_offset)
     try:
@@ -174,6 +174,8 @@ def generate_corpus_command(args: argparse.Namespace) -> None:
         check_prompt_counts({args.task: len(conversations)}, args.prompts, args.prompt_offset)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    # Before the model is fetched and converted (half a minute), as before any answer.
+    check_corpus_output(Path(args.output), args.overwrite)
     model = resolve_model(args.model)
     # A model vLLM cannot load would end in its traceback; its tokenizer fails in one line.
     load_tokenizer(model)

@@ -25,7 +25,6 @@ def bench_command(args: argparse.Namespace) -> None:
         BenchSettings, check_memory_for_interleaving, method_runs, run_benchmark)
     from vllm_retrieval_spec.datastore.format import load_datastore, make_output_dir
 
-    model = cli.resolve_model(args.model)
     datastores = dict(datastore_entry(entry) for entry in args.datastore or [])
     for directory in datastores.values():
         # A missing or unfinished datastore would fail its rows only once the engines before
@@ -39,6 +38,8 @@ def bench_command(args: argparse.Namespace) -> None:
     try:
         runs = method_runs(args.methods.split(","), args.k, datastores,
                            method_options(args.method_options))
+        # After the checks that need no model: fetching and converting one takes half a minute.
+        model = cli.resolve_model(args.model)
         if not args.sequential:
             check_memory_for_interleaving(len(runs), model, settings)
         prompts = bench_prompts(model, args)

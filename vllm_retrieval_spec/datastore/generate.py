@@ -51,7 +51,7 @@ def generate_corpus(model: str, conversations: list[list[dict[str, str]]], outpu
     The file appears only when complete. Returns the number of conversations written.
     """
     output = Path(output)
-    _check_corpus_output(output, overwrite)
+    check_corpus_output(output, overwrite)
     answers = answer_conversations(model, conversations, max_tokens=max_tokens,
                                    temperature=temperature, seed=seed, dtype=dtype)
     with atomic_path(output) as temporary, open(temporary, "w") as f:
@@ -62,7 +62,7 @@ def generate_corpus(model: str, conversations: list[list[dict[str, str]]], outpu
     return len(answers)
 
 
-def _check_corpus_output(output: Path, overwrite: bool) -> None:
+def check_corpus_output(output: Path, overwrite: bool) -> None:
     """Before any answer is generated: a bad path found afterwards costs them all, and
     atomic_path would replace a directory (and everything in it) with the corpus file."""
     if output.is_dir():
