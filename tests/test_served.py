@@ -15,7 +15,7 @@ from vllm_retrieval_spec.datastore.journal import NO_KEY, TokenizerFacts
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore, SuffixIndex
 from vllm_retrieval_spec.datastore.served_requests import ServedRequests
 from vllm_retrieval_spec.datastore.served_saver import (
-    DOCUMENTS_FILE, SERVED_FILE, Entry, read_snapshot, write_snapshot)
+    DOCUMENTS_FILE, SERVED_FILE, Entry, read_snapshot, tokenizer_facts, write_snapshot)
 
 LOOKUP = {"min_len": 2, "max_len": 16, "max_occurrences": 64, "continuation_len": 4}
 
@@ -243,6 +243,31 @@ def test_a_snapshot_is_a_datastore_that_loads_back(tmp_path):
     # Nothing left: a snapshot without a datastore.
     write_snapshot(tmp_path / "snapshot-2-r", [], {}, facts)
     assert read_snapshot(tmp_path / "snapshot-2-r", facts.fingerprint).entries == []
+
+
+def test_a_snapshot_takes_token_ids_the_model_takes_past_its_tokenizer(tmp_path):
+    # A padded embedding: vLLM accepts prompt ids up to the model's vocabulary, and one such
+    # id refused by the snapshot would stop every compaction and purge.
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    tokenizer_vocab = max(tokenizer.get_vocab().values()) + 1
+
+    class ModelConfig:
+        tokenizer = str(tmp_path / "tokenizer")
+        tokenizer_revision = None
+        trust_remote_code = False
+
+        def get_vocab_size(self):
+            return tokenizer_vocab + 64
+
+    facts = tokenizer_facts(ModelConfig())
+    assert facts.vocab_size == tokenizer_vocab + 64
+    assert facts.fingerprint == tokenizer_fingerprint(tokenizer)
+    path = tmp_path / "snapshot-1-r"
+    write_snapshot(path, [Entry(NO_KEY, 1, 1_000, np.array([5, tokenizer_vocab + 63], np.int32))],
+                   {}, facts)
+    assert [e.tokens.tolist() for e in read_snapshot(path, facts.fingerprint).entries] == [
+        [5, tokenizer_vocab + 63]]
 
 
 def test_a_failed_snapshot_leaves_nothing(tmp_path, monkeypatch):

@@ -62,7 +62,10 @@ RETENTION_SWEEP_S = 60.0
 
 
 def tokenizer_facts(model_config: Any) -> TokenizerFacts:
-    """The served model's tokenizer, as a snapshot's manifest records it."""
+    """The served model's tokenizer, as a snapshot's manifest records it. Its vocabulary size
+    is the model's where that is larger (a padded embedding): vLLM takes a prompt's token ids
+    up to the model's, and a snapshot refusing one such id would stop every compaction and
+    purge until its request left the store."""
     from transformers import AutoTokenizer
 
     from vllm_retrieval_spec.datastore.format import tokenizer_fingerprint, tokenizer_vocab_size
@@ -71,7 +74,8 @@ def tokenizer_facts(model_config: Any) -> TokenizerFacts:
         model_config.tokenizer, revision=model_config.tokenizer_revision,
         trust_remote_code=model_config.trust_remote_code)
     return TokenizerFacts(Path(str(model_config.tokenizer)).name,
-                          tokenizer_fingerprint(tokenizer), tokenizer_vocab_size(tokenizer))
+                          tokenizer_fingerprint(tokenizer),
+                          max(tokenizer_vocab_size(tokenizer), model_config.get_vocab_size()))
 
 
 def write_served_dense_keys(snapshot: tuple[np.ndarray, np.ndarray], projection: Any,
