@@ -245,6 +245,22 @@ def test_a_segment_that_cannot_be_sealed_does_not_stop_the_journal(tmp_path, mon
     assert list(writer.flushed_sizes()) == ["journal-r.0", "journal-r.1"]
 
 
+def test_segments_a_full_disk_left_empty_are_deleted_by_a_snapshot(tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a")
+    with monkeypatch.context() as patch:
+        patch.setattr(journal, "os", OsFailingAt("write", a_full_disk))
+        for i in range(3):
+            serve(a, str(i), [1, i])
+            a.writer.flush()
+    assert {p.stat().st_size for p in tmp_path.glob("journal-h-1-a.*")} == {0}
+    # Before: no offset was recorded for an empty segment, so no snapshot included it, and
+    # one stayed on disk per failed flush, listed and opened by every replica at every poll.
+    b = replica(tmp_path, "h-2-b")
+    settle(tmp_path)
+    b.compact(force=True)
+    assert list(tmp_path.glob("journal-h-1-a.*")) == []
+
+
 def test_torn_and_corrupt_tails_are_skipped_with_one_warning(tmp_path, caplog):
     good = encode_record(record(1, [5, 6]))
     (tmp_path / "journal-a.0").write_bytes(good + encode_record(record(2, [7, 8]))[:-3])

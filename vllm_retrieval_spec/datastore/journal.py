@@ -400,6 +400,9 @@ class JournalReader:
             with open(segment.path, "rb") as f:
                 stat = os.fstat(f.fileno())
                 if stat.st_size <= offset:
+                    # Recorded even at 0: an empty segment (a write cut back on a full disk)
+                    # is then included whole by a snapshot, and deleted.
+                    self.offsets[segment.name] = offset
                     return []
                 f.seek(offset)
                 data = f.read()
