@@ -548,6 +548,21 @@ def test_requests_older_than_the_age_limit_are_evicted_and_leave_the_snapshot(tm
     assert stored(replica(tmp_path, "h-2-b")) == [[2, 2]]
 
 
+def test_no_snapshot_kept_as_a_fallback_holds_requests_past_the_age_limit(tmp_path):
+    a = replica(tmp_path, "h-1-a", max_age_s=3600)
+    now = time.time_ns() // 1_000_000
+    a.stores.add("old", [1, 1], now - 2 * 3600 * 1000)
+    serve(a, "new", [2, 2])
+    a.compact(force=True)
+    assert a.remove_dropped() == 1
+    newest = a.compact(force=True)
+    # Before: the snapshot before it stayed as its fallback, and a quiet fleet writes no
+    # other, so the expired request stayed on disk.
+    assert [[e.tokens.tolist() for e in read_snapshot(path, TOKENIZER.fingerprint).entries]
+            for path in list_snapshots(tmp_path)] == [[[2, 2]]]
+    assert list_snapshots(tmp_path) == [newest]
+
+
 def test_a_start_up_over_the_bound_keeps_the_newest_requests_of_a_snapshot(tmp_path):
     a = replica(tmp_path, "h-1-a")
     now = time.time_ns() // 1_000_000
@@ -683,7 +698,7 @@ def test_a_snapshot_holds_purged_requests_by_time_and_by_the_whole_key(tmp_path)
     def holds(before_ms, key=None):
         rules = journal.PurgeRules()
         rules.add(before_ms, key)
-        return served_saver.holds_purged(snapshot, rules)
+        return served_saver.holds_dropped(snapshot, rules)
 
     assert holds(1001) and not holds(1000)  # every key's requests
     assert holds(1001, x) and not holds(1000, x) and not holds(6000, half_of_x)
@@ -714,11 +729,11 @@ def test_a_snapshot_whose_times_and_keys_are_damaged_is_taken_to_hold_purged_req
     b.close()
     # A time changed: the file no longer has the checksum its snapshot records, and no longer
     # loads. Before: it was read as it says.
-    assert served_saver.holds_purged(newest, rules) is False
+    assert served_saver.holds_dropped(newest, rules) is False
     documents = np.load(newest / served_saver.DOCUMENTS_FILE)
     documents[0, 0] += 1
     np.save(newest / served_saver.DOCUMENTS_FILE, documents)
-    assert served_saver.holds_purged(newest, rules) is True
+    assert served_saver.holds_dropped(newest, rules) is True
 
 
 def test_a_running_replica_drops_purged_requests_from_its_journal_once_it_settled(

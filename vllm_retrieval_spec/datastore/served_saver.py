@@ -518,7 +518,8 @@ class ServedDirectory:
             write_snapshot(path, entries, offsets, self.tokenizer, self.dense, self.model)
             self._compacted_at_change = changes
             self.writer.forget(remove_obsolete(self.path, offsets, self.reader.broken,
-                                               self.replica, SETTLE_S, self.unloadable))
+                                               self.replica, SETTLE_S, self.unloadable,
+                                               self._cutoff_ms()))
             logger.info("served store: snapshot %s holds %d requests", path.name, len(entries))
             return path
         finally:
@@ -573,13 +574,16 @@ class ServedDirectory:
 
 
 def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], replica: str,
-                    settle_s: float, unloadable: Container[str] = ()) -> list[str]:
+                    settle_s: float, unloadable: Container[str] = (),
+                    cutoff_ms: int = 0) -> list[str]:
     """After a snapshot including ``offsets`` was written: delete the segments it includes
     whole (or up to where they break) once their writer is done with them (sealed, or its
     process is gone) and they have been still for ``settle_s`` (a replica reading them a
     little late still finds them); every snapshot but the newest and its fallback, the next
-    one not ``unloadable`` (it did not load here) nor holding a purged request; merge the
-    purge files into one. Returns the names of the segments deleted."""
+    one not ``unloadable`` (it did not load here) nor holding a purged request or one older
+    than ``cutoff_ms`` (the age limit's: a fleet gone quiet writes no snapshot after the one
+    that dropped them); merge the purge files into one. Returns the names of the segments
+    deleted."""
     now = time.time()
     host = this_host()
     deleted = []
@@ -598,10 +602,11 @@ def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], 
             deleted.append(segment.name)
     purges, rules = read_purges(directory)
     # One is kept as the newest's fallback (``_load_snapshot``): one that loads, and that
-    # keeps on disk nothing a purge removed.
+    # keeps on disk nothing a purge or the age limit removed.
     fallback = None
     for old in list_snapshots(directory)[1:]:
-        if fallback is None and old.name not in unloadable and not holds_purged(old, rules):
+        if fallback is None and old.name not in unloadable \
+                and not holds_dropped(old, rules, cutoff_ms):
             fallback = old
         else:
             shutil.rmtree(old, ignore_errors=True)
@@ -613,10 +618,10 @@ def remove_obsolete(directory: Path, offsets: dict[str, int], broken: set[str], 
     return deleted
 
 
-def holds_purged(snapshot: Path, rules: PurgeRules) -> bool:
-    """Whether ``snapshot`` holds a request ``rules`` drop (its times and keys unreadable, or
-    not those its ``SERVED_FILE`` records: it may)."""
-    if not rules.latest_ms():
+def holds_dropped(snapshot: Path, rules: PurgeRules, cutoff_ms: int = 0) -> bool:
+    """Whether ``snapshot`` holds a request ``rules`` drop, or one older than ``cutoff_ms``
+    (its times and keys unreadable, or not those its ``SERVED_FILE`` records: it may)."""
+    if not rules.latest_ms() and not cutoff_ms:
         return False
     try:
         served = json.loads((snapshot / SERVED_FILE).read_text())
@@ -626,7 +631,7 @@ def holds_purged(snapshot: Path, rules: PurgeRules) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return True
     times = np.asarray(documents[:, 0]).astype(np.int64)
-    if (times < rules.before_ms).any():
+    if (times < max(rules.before_ms, cutoff_ms)).any():
         return True
     keys = np.asarray(documents[:, 2:])
     return any((times[(keys == np.frombuffer(key, "<u8")).all(axis=1)] < before_ms).any()
@@ -638,7 +643,7 @@ def files_holding_purged(directory: Path, rules: PurgeRules) -> list[Path]:
     (or may: unreadable)."""
     if not rules.latest_ms():
         return []
-    return [path for path in list_snapshots(directory) if holds_purged(path, rules)] + \
+    return [path for path in list_snapshots(directory) if holds_dropped(path, rules)] + \
         [s.path for s in list_segments(directory).values() if segment_holds_purged(s, rules)]
 
 
