@@ -201,6 +201,11 @@ def list_segments(directory: Path) -> dict[str, Segment]:
     return dict(sorted(segments.items(), key=lambda item: (item[1].replica, item[1].number)))
 
 
+#: Tokens of failed batches a writer holds to write again (``JournalWriter._requeue``): a
+#: default served store's worth (``served_max_tokens``).
+RETRY_TOKENS = 1_000_000
+
+
 class JournalWriter:
     """This replica's journal. ``append`` only queues (the drafting path calls it); a thread
     writes what is queued every ``flush_s`` seconds as one write and one fsync, so a crash
@@ -256,10 +261,28 @@ class JournalWriter:
                 os.fsync(fd)
                 self.sizes[self._segment_name()] += len(data)
             except OSError:
-                # Serving goes on; these requests stay in memory and reach the next snapshot.
+                # Serving goes on, and the batch is written with the next one: a snapshot may
+                # never come first (a clean shutdown writes none; in a fleet another replica
+                # may always have written one recently).
                 logger.exception("served store: could not write %d records to the journal in "
-                                 "%s", len(batch), self.directory)
+                                 "%s; tried again at the next flush", len(batch),
+                                 self.directory)
                 self._seal(cut_back=True)
+                self._requeue(batch)
+
+    def _requeue(self, batch: list[Record]) -> None:
+        """Put a batch that failed back before what was queued since, keeping at most the
+        newest ``RETRY_TOKENS`` tokens of it: a disk that stays full must not hold evicted
+        requests in memory without bound."""
+        kept, tokens = len(batch), 0
+        while kept and tokens + len(batch[kept - 1].tokens) <= RETRY_TOKENS:
+            kept -= 1
+            tokens += len(batch[kept].tokens)
+        if kept:
+            logger.error("served store: %d records are left out of the journal (it could not "
+                         "be written for too long)", kept)
+        with self._queue_lock:
+            self._queue[:0] = batch[kept:]
 
     def rotate(self) -> None:
         """Seal the current segment (if it has records): it is never appended to again."""
