@@ -299,6 +299,42 @@ def test_torn_and_corrupt_tails_are_skipped_with_one_warning(tmp_path, caplog):
     assert reader.broken == {"journal-a.0", "journal-b.0", "journal-c.0"}
 
 
+def test_a_batch_written_while_a_quiet_segment_is_read_is_not_taken_for_a_crash(tmp_path,
+                                                                                monkeypatch):
+    segment = tmp_path / "journal-a.0"
+    segment.write_bytes(encode_record(record(1, [5, 6])))
+    quiet = time.time() - 2 * journal.SETTLE_S
+    os.utime(segment, (quiet, quiet))
+    late = encode_record(record(2, [7, 8]))
+
+    class WriterBetweenSizeAndRead:
+        """``os`` whose first fstat is followed by half of the writer's next batch."""
+
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def fstat(self, fd):
+            stat = os.fstat(fd)
+            WriterBetweenSizeAndRead.calls += 1
+            if WriterBetweenSizeAndRead.calls == 1:
+                with open(segment, "ab") as f:
+                    f.write(late[:len(late) // 2])
+            return stat
+
+    reader = JournalReader(tmp_path, "me", {})
+    with monkeypatch.context() as patch:
+        patch.setattr(journal, "os", WriterBetweenSizeAndRead())
+        assert [r.doc_id for r in reader.poll()] == [1]
+    with open(segment, "ab") as f:
+        f.write(late[len(late) // 2:])
+    # Before: the size's time, not the read's, said "quiet for long", and the segment was
+    # skipped for good.
+    assert reader.broken == set()
+    assert [r.doc_id for r in reader.poll()] == [2]
+
+
 # ---------------------------------------------------------------------------- replicas
 
 def test_start_up_replays_the_journal_of_a_killed_replica(tmp_path):

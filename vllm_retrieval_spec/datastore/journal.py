@@ -429,12 +429,16 @@ class JournalReader:
                     return []
                 f.seek(offset)
                 data = f.read()
+                # Its time after the read: a batch written since the size was taken, half
+                # copied when read, must not make a long-quiet segment look cut off by a crash
+                # (it would be skipped for good, and deleted by this reader's next snapshot).
+                modified = os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             return []  # sealed or deleted meanwhile: read at the next poll, or included
         records, consumed, corrupt = decode_records(data)
         self.offsets[segment.name] = offset + consumed
         if consumed < len(data) and (corrupt or segment.sealed
-                                     or now - stat.st_mtime > SETTLE_S):
+                                     or now - modified > SETTLE_S):
             self.broken.add(segment.name)
             logger.warning("served store: %s holds %d unreadable bytes after byte %d (%s); "
                            "they are skipped", segment.path, len(data) - consumed,
