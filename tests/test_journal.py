@@ -616,6 +616,31 @@ def test_no_snapshot_kept_as_a_fallback_holds_requests_past_the_age_limit(tmp_pa
     assert list_snapshots(tmp_path) == [newest]
 
 
+def test_a_fallback_past_the_age_limit_goes_once_the_fleet_is_quiet(tmp_path, monkeypatch):
+    a = replica(tmp_path, "h-1-a", max_age_s=3600)
+    now = time.time_ns() // 1_000_000
+    # Expired a minute ago: under steady traffic the snapshot before the newest holds such
+    # requests, and stays the fallback.
+    a.stores.add("old", [1, 1], now - 3600 * 1000 - 60_000)
+    serve(a, "new", [2, 2])
+    first = a.compact(force=True)
+    assert a.remove_dropped() == 1
+    newest = a.compact(force=True)
+    assert list_snapshots(tmp_path) == [newest, first]
+    assert a.compact_after_expiry() is None  # no retention sweep yet
+    # Half an hour later nothing was served: no scheduled snapshot comes, the sweep's does.
+    monkeypatch.setattr(served_saver, "now_ms", lambda: now + 1800 * 1000)
+    a._swept -= served_saver.RETENTION_SWEEP_S
+    a.sync()
+    latest = a.compact_after_expiry()
+    assert latest is not None and first not in list_snapshots(tmp_path)
+    assert [[e.tokens.tolist() for e in read_snapshot(path, TOKENIZER.fingerprint).entries]
+            for path in list_snapshots(tmp_path)] == [[[2, 2]], [[2, 2]]]
+    a._swept -= served_saver.RETENTION_SWEEP_S
+    a.sync()
+    assert a.compact_after_expiry() is None  # nothing past the limit is left on disk
+
+
 def test_a_start_up_over_the_bound_keeps_the_newest_requests_of_a_snapshot(tmp_path):
     a = replica(tmp_path, "h-1-a")
     now = time.time_ns() // 1_000_000

@@ -317,6 +317,8 @@ class ServedDirectory:
         self.changes = 0
         self._compacted_at_change = 0
         self._swept = time.monotonic()
+        #: A retention sweep ran since ``compact_after_expiry`` last looked at the snapshots.
+        self._expiry_due = False
         self.reader = JournalReader(self.path, self.replica, {})
         #: Snapshots that did not load here: never kept as the newest's fallback.
         self.unloadable: set[str] = set()
@@ -392,6 +394,7 @@ class ServedDirectory:
         if purged or due:
             self._swept = time.monotonic()
             self.remove_dropped(purged=purged)
+            self._expiry_due = self._expiry_due or bool(due)
 
     def remove_dropped(self, *, purged: bool = False) -> int:
         """Drop what retention and purges say must go (``purged``: a purge came, which may
@@ -411,6 +414,12 @@ class ServedDirectory:
 
     def _cutoff_ms(self) -> int:
         return now_ms() - int(1000 * self.max_age_s) if self.max_age_s else 0
+
+    def _fallback_cutoff_ms(self) -> int:
+        """Requests finished before this are past the age limit by two compaction intervals:
+        a snapshot holding one is no fallback. (Under steady traffic the one before the newest
+        always holds requests that expired in the interval since: it stays the fallback.)"""
+        return self._cutoff_ms() - int(2000 * self.compact_s) if self.max_age_s else 0
 
     def _load(self) -> tuple[int, int]:
         """Load the newest snapshot, then the journals after it; returns how many requests
@@ -519,7 +528,7 @@ class ServedDirectory:
             self._compacted_at_change = changes
             self.writer.forget(remove_obsolete(self.path, offsets, self.reader.broken,
                                                self.replica, SETTLE_S, self.unloadable,
-                                               self._cutoff_ms()))
+                                               self._fallback_cutoff_ms()))
             logger.info("served store: snapshot %s holds %d requests", path.name, len(entries))
             return path
         finally:
@@ -549,6 +558,20 @@ class ServedDirectory:
             self._purged_at = None
         return path
 
+    def compact_after_expiry(self) -> Path | None:
+        """After a retention sweep: a snapshot whatever the schedule if one kept as the
+        newest's fallback holds a request past the age limit (``_fallback_cutoff_ms``), which
+        deletes it; a fleet gone quiet writes no other, and the request would stay on disk.
+        Returns the snapshot written."""
+        if not self._expiry_due or self.lock.held():
+            return None
+        self._expiry_due = False
+        cutoff = self._fallback_cutoff_ms()
+        if not any(holds_dropped(old, self.purges, cutoff)
+                   for old in list_snapshots(self.path)[1:]):
+            return None
+        return self.compact(force=True)
+
     # --------------------------------------------------------------------------- life
 
     def _sync_forever(self) -> None:
@@ -557,6 +580,7 @@ class ServedDirectory:
             try:
                 self.sync()
                 self.compact_after_purge()
+                self.compact_after_expiry()
                 if time.monotonic() >= next_compaction:
                     next_compaction = time.monotonic() + self.compact_s
                     self.compact()
