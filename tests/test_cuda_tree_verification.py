@@ -312,6 +312,27 @@ def test_every_layer_of_every_attention_group_is_checked(groups, message):
         refuse_unsupported_trees(refusal_runner(*groups), tree_refusal)
 
 
+@pytest.mark.parametrize("variant", ["ChunkedLocalAttention", "StaticSinkAttention"])
+def test_a_variant_of_vllms_attention_is_refused_though_its_backend_keeps_the_name(variant):
+    # Llama 4's chunked-local layers: a FLASH_ATTN backend by name, an implementation without a
+    # window, and block tables of virtual batches. Before, trees were verified there, reading
+    # another request's blocks.
+    import importlib
+
+    from vllm_retrieval_spec.verification.core import refuse_unsupported_trees
+
+    module = {"ChunkedLocalAttention": "chunked_local_attention",
+              "StaticSinkAttention": "static_sink_attention"}[variant]
+    cls = getattr(importlib.import_module(f"vllm.model_executor.layers.attention.{module}"),
+                  variant)
+    runner = refusal_runner(("FLASH_ATTN", {"layers.0": impl(), "layers.1": impl()}))
+    refuse_unsupported_trees(runner, tree_refusal)
+    runner.compilation_config.static_forward_context["layers.1"] = cls.__new__(cls)
+    with pytest.raises(ConfigError, match=rf"with {variant} layers \(layer layers.1\): .*"
+                                          r"set \"tree\": \"off\""):
+        refuse_unsupported_trees(runner, tree_refusal)
+
+
 def cuda_runner(compilation_config):
     """What ``cuda_tree_verifier`` reads of a CUDA runner with one FLASH_ATTN layer."""
     name = "model.layers.0.self_attn.attn"

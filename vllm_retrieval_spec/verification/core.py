@@ -197,6 +197,18 @@ def layout_refusal(vllm_config: Any, model_config: Any) -> str | None:
     return None
 
 
+def attention_variant(layer: Any) -> str | None:
+    """The class name of ``layer`` where it is a variant of vLLM's ``Attention`` (chunked-local,
+    static sinks, cross, encoder-only...), else None. A variant's backend keeps the plain one's
+    name and implementation, but its metadata is its own: chunked-local layers read block
+    tables of virtual batches (a row per request and chunk), sink layers a table whose sink
+    blocks come first; the tree kernel would read another request's or another position's KV."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    kind = type(layer)
+    return kind.__name__ if isinstance(layer, Attention) and kind is not Attention else None
+
+
 def refuse_unsupported_trees(runner: Any,
                              tree_refusal: Callable[[str, Any, str, bool, bool], str | None]
                              ) -> None:
@@ -214,6 +226,11 @@ def refuse_unsupported_trees(runner: Any,
     layers = runner.compilation_config.static_forward_context
     for group in (g for groups in runner.attn_groups for g in groups):
         for name in group.layer_names:
+            variant = attention_variant(layers[name])
+            if variant is not None:
+                raise ConfigError(f"tree drafts cannot be verified with {variant} layers (layer "
+                                  f"{name}): the kernel attends as vLLM's plain Attention "
+                                  f"does; {fix}")
             # A layer of another kind (a Mamba mixer) has no attention implementation; its
             # backend is refused.
             reason = tree_refusal(group.backend.get_name(), getattr(layers[name], "impl", None),
