@@ -110,6 +110,8 @@ def _run_interpreted(path: str) -> None:
     args = [inputs[name] for name in ("query", "key", "value", "kv_cache")]
     backend = torch.zeros(tokens, HEADS, HEAD_DIM)
     TritonAttentionImpl.forward(impl, layer, *args, metadata, backend)
+    # The start-up launches that find a kernel too large for the GPU's shared memory.
+    CudaPagedKV(HEAD_DIM, "cpu").refuse_if_too_large(HEADS, KV_HEADS, BLOCK_SIZE, torch.float32)
     verifier = TreeVerifier(CudaPagedKV(HEAD_DIM, "cpu"))
     begin_step(verifier)
     trees._trees_in_flight = verifier
@@ -331,6 +333,31 @@ def test_a_variant_of_vllms_attention_is_refused_though_its_backend_keeps_the_na
     with pytest.raises(ConfigError, match=rf"with {variant} layers \(layer layers.1\): .*"
                                           r"set \"tree\": \"off\""):
         refuse_unsupported_trees(runner, tree_refusal)
+
+
+def test_a_kernel_too_large_for_the_gpus_shared_memory_is_refused_at_start_up(monkeypatch):
+    # An L4 at head size 256: Triton raises when the kernel loads. Before, that was at the first
+    # tree step, and the engine died.
+    from triton.runtime.errors import OutOfResources
+
+    from vllm_retrieval_spec.kernels import paged_tree_attention as kernel
+
+    launches = []
+
+    def too_large(*args, splits=None, **kwargs):
+        launches.append(splits)
+        raise OutOfResources(106496, 101376, "shared memory")
+
+    monkeypatch.setattr(kernel, "paged_tree_attention", too_large)
+    with pytest.raises(ConfigError, match=r"at head size 256 \(torch.bfloat16\) the tree kernel "
+                                          r"needs 106496 bytes of shared memory and a program "
+                                          r"gets 101376; set \"tree\": \"off\""):
+        CudaPagedKV(256, "cpu").refuse_if_too_large(8, 2, 16, torch.bfloat16)
+    assert launches == [1]
+    monkeypatch.setattr(kernel, "paged_tree_attention",
+                        lambda *args, splits=None, **kwargs: launches.append(splits))
+    CudaPagedKV(256, "cpu").refuse_if_too_large(8, 2, 16, torch.bfloat16)
+    assert launches == [1, 1, 2]  # unsplit and split: two compilations
 
 
 def cuda_runner(compilation_config):

@@ -58,6 +58,35 @@ class CudaPagedKV:
         self.head_size = head_size
         self.buffers = PagedTreeBuffers(device)
 
+    def refuse_if_too_large(self, num_heads: int, num_kv_heads: int, block_size: int,
+                            dtype: Any) -> None:
+        """``ConfigError`` if the kernel, split or not, needs more shared memory than this GPU
+        gives a program (Triton raises ``OutOfResources`` when it loads one): at head size 256
+        an H100 has room, an L4 or an A10 not (106,496 bytes of 101,376). Launched once each on
+        a two-node tree, which also compiles them before the first step."""
+        import torch
+        from triton.runtime.errors import OutOfResources
+
+        from vllm_retrieval_spec.config import ConfigError
+        from vllm_retrieval_spec.kernels.paged_tree_attention import paged_tree_attention
+
+        device = self.buffers.device
+        trees = self.buffers.load([[-1, 0, 0]], [0], [1], [block_size], [0])
+        query = torch.zeros(3, num_heads, self.head_size, dtype=dtype, device=device)
+        key = torch.zeros(3, num_kv_heads, self.head_size, dtype=dtype, device=device)
+        cache = torch.zeros(1, block_size, num_kv_heads, self.head_size, dtype=dtype,
+                            device=device)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        try:
+            for splits in (1, 2):
+                paged_tree_attention(query, key, key, cache, cache, table, trees, 1.0,
+                                     splits=splits)
+        except OutOfResources as error:
+            raise ConfigError(
+                f"tree drafts cannot be verified on this GPU: at head size {self.head_size} "
+                f"({dtype}) the tree kernel needs {error.required} bytes of shared memory and "
+                f"a program gets {error.limit}; set \"tree\": \"off\"") from None
+
     def split(self, kv_cache: Any) -> tuple[Any, Any]:
         """Keys and values ``[num_blocks, block_size, num_kv_heads, head_size]`` (views)."""
         return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
@@ -114,4 +143,11 @@ def cuda_tree_verifier(runner: Any) -> TreeVerifier:
                           f"{mode.name} replays attention inside them: use "
                           f"-cc.cudagraph_mode=PIECEWISE, or set \"tree\": \"off\"")
     refuse_unsupported_trees(runner, tree_refusal)
-    return TreeVerifier(CudaPagedKV(runner.model_config.get_head_size(), runner.device))
+    model_config = runner.model_config
+    paged = CudaPagedKV(model_config.get_head_size(), runner.device)
+    if paged.buffers.device.type == "cuda":
+        parallel = runner.parallel_config
+        paged.refuse_if_too_large(model_config.get_num_attention_heads(parallel),
+                                  model_config.get_num_kv_heads(parallel),
+                                  runner.cache_config.block_size, model_config.dtype)
+    return TreeVerifier(paged)
