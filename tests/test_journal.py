@@ -105,6 +105,11 @@ def test_a_torn_record_stops_reading_and_a_corrupt_one_is_flagged():
         frame = journal.MAGIC + len(payload).to_bytes(4, "little") \
             + zlib.crc32(payload).to_bytes(4, "little") + payload
         assert decode_records(first + frame)[1:] == (len(first), True)
+    # A length longer than a record can be (a flipped high bit): corrupt now, not a record
+    # waited for until its segment settles.
+    for length in (journal.MAX_PAYLOAD + 4, 2**32 - 4):
+        frame = journal.MAGIC + length.to_bytes(4, "little") + second[8:]
+        assert decode_records(first + frame)[1:] == (len(first), True)
 
 
 def test_segments_are_listed_in_the_order_written_once_each_sealed_if_so(tmp_path, monkeypatch):

@@ -45,8 +45,11 @@ logger = logging.getLogger(__name__)
 MAGIC = b"RSJ1"
 _FRAME = struct.Struct("<4sII")
 _HEADER = struct.Struct("<qQ16s")
-#: A payload longer than this is corruption, not a request (2**31 tokens cap the store).
-MAX_PAYLOAD = _HEADER.size + 4 * (1 << 31)
+#: A record holds at most this many tokens (``ServedSaver.record`` journals a longer request's
+#: end): more than any model's context, and few enough that a length field torn or flipped into
+#: a large number reads as corruption at once, not as a record still being written.
+MAX_RECORD_TOKENS = 1 << 26
+MAX_PAYLOAD = _HEADER.size + 4 * MAX_RECORD_TOKENS
 #: The key digest of the shared store's requests.
 NO_KEY = bytes(16)
 

@@ -36,11 +36,11 @@ from vllm_retrieval_spec.datastore.dense import DENSE_DIR
 from vllm_retrieval_spec.datastore.format import (
     MANIFEST_FILE, SEPARATOR, DatastoreError, file_sha256, load_datastore)
 from vllm_retrieval_spec.datastore.journal import (
-    DIR_MODE, FILE_MODE, MAX_HOLD_S, NO_KEY, REPLICA, SETTLE_S, STORE_FILE, CompactionLock,
-    JournalReader, JournalWriter, PurgeRules, Record, Segment, TokenizerFacts, check_keyed,
-    check_tokenizer, doc_id, fsync_directory, key_digest, list_segments, new_replica_id, now_ms,
-    purge_files, read_purges, remove_stale_temporaries, segment_holds_purged, stale_segment,
-    read_store_facts, store_facts, this_host, write_purge)
+    DIR_MODE, FILE_MODE, MAX_HOLD_S, MAX_RECORD_TOKENS, NO_KEY, REPLICA, SETTLE_S, STORE_FILE,
+    CompactionLock, JournalReader, JournalWriter, PurgeRules, Record, Segment, TokenizerFacts,
+    check_keyed, check_tokenizer, doc_id, fsync_directory, key_digest, list_segments,
+    new_replica_id, now_ms, purge_files, read_purges, remove_stale_temporaries,
+    segment_holds_purged, stale_segment, read_store_facts, store_facts, this_host, write_purge)
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_dense import (
     ModelFacts, ServedDenseStore, document_starts)
@@ -351,7 +351,7 @@ class ServedDirectory:
     def record(self, key: bytes | None, request_id: str, document: np.ndarray) -> None:
         """Journal a request just stored (the drafting path: this only queues)."""
         self.writer.append(Record(now_ms(), doc_id(self.replica, request_id), key or NO_KEY,
-                                  document))
+                                  document[-MAX_RECORD_TOKENS:]))
         self.changes += 1
 
     # ------------------------------------------------------------------------- reading
