@@ -245,6 +245,29 @@ def test_a_snapshot_is_a_datastore_that_loads_back(tmp_path):
     assert read_snapshot(tmp_path / "snapshot-2-r", facts.fingerprint).entries == []
 
 
+@pytest.mark.parametrize("entries", [[Entry(NO_KEY, 7, 1_000, np.array([5, 6], np.int32))], []])
+def test_a_snapshot_is_private_while_written_in_a_directory_others_can_enter(
+        tmp_path, monkeypatch, entries):
+    # A store directory made by hand with the default umask: others may list and enter it,
+    # so the snapshot's own directory must shut them out before its first file is written.
+    from vllm_retrieval_spec.datastore import served_saver
+
+    store = tmp_path / "store"
+    store.mkdir(mode=0o755)
+    store.chmod(0o755)
+    seen = []
+    make_private = served_saver.make_private_and_durable
+
+    def observe(directory):
+        seen.append(directory.stat().st_mode & 0o777)
+        make_private(directory)
+
+    monkeypatch.setattr(served_saver, "make_private_and_durable", observe)
+    write_snapshot(store / "snapshot-1-r", entries, {},
+                   TokenizerFacts("test", tokenizer_fingerprint(make_tokenizer()), 100))
+    assert seen == [0o700]
+
+
 def test_a_snapshot_takes_token_ids_the_model_takes_past_its_tokenizer(tmp_path):
     # A padded embedding: vLLM accepts prompt ids up to the model's vocabulary, and one such
     # id refused by the snapshot would stop every compaction and purge.

@@ -108,10 +108,12 @@ def build_datastore_from_token_ids(
     overwrite: bool = False,
     progress: bool | None = True,
     then: Callable[[Path, Manifest], None] | None = None,
+    private: bool = False,
 ) -> Manifest:
     """A datastore from already tokenised documents, e.g. the target model's own generations.
     ``then(directory, manifest)`` writes more into the datastore (a dense index) before it is
-    renamed into place, so that everything appears at once."""
+    renamed into place, so that everything appears at once. ``private``: written in a
+    directory only its user can enter (``atomic_datastore_dir``)."""
     return _build(
         output,
         lambda writer, stats: write_token_id_stream(
@@ -125,6 +127,7 @@ def build_datastore_from_token_ids(
         overwrite=overwrite,
         progress=progress,
         then=then,
+        private=private,
     )
 
 
@@ -140,10 +143,11 @@ def _build(
     overwrite: bool,
     progress: bool | None,
     then: Callable[[Path, Manifest], None] | None = None,
+    private: bool = False,
 ) -> Manifest:
     timings: dict[str, float] = {}
     stats = CorpusStats()
-    with atomic_datastore_dir(output, overwrite=overwrite) as tmp:
+    with atomic_datastore_dir(output, overwrite=overwrite, private=private) as tmp:
         start = time.perf_counter()
         with Int32StreamWriter(tmp / TOKENS_FILE) as writer:
             write_tokens(writer, stats)

@@ -382,8 +382,10 @@ def _npy_header(dtype: np.dtype, length: int) -> bytes:
 
 
 @contextlib.contextmanager
-def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary directory that replaces ``output`` once the block succeeds.
+def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False,
+                         private: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory that replaces ``output`` once the block succeeds;
+    ``private``: mode 0700 from its creation, so no other user reads its files while written.
 
     The block must call ``write_manifest`` last. On any exception (KeyboardInterrupt included)
     the temporary directory is removed and ``output`` is left as it was. An existing datastore is
@@ -394,19 +396,19 @@ def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False) -> Iter
     # The parent first: atomic_path cannot even clear its temporary name under a file.
     make_output_dir(output.parent, output)
     with atomic_path(output) as tmp:
-        make_output_dir(tmp, output)
+        make_output_dir(tmp, output, mode=0o700 if private else 0o777)
         yield tmp
         if not (tmp / MANIFEST_FILE).is_file():
             raise RuntimeError(f"the build did not write {MANIFEST_FILE} into {tmp}")
         check_replaceable(output, overwrite)
 
 
-def make_output_dir(directory: Path, output: Path) -> None:
+def make_output_dir(directory: Path, output: Path, mode: int = 0o777) -> None:
     """mkdir -p for an output (a build's, a corpus's). Failing here means the output path is
     wrong (under a file, in a read-only place), which the user fixes, so it is a DatastoreError,
     not a traceback."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as e:
         raise DatastoreError(
             f"cannot create {output} ({e.strerror}: {e.filename}); choose another output"

@@ -126,7 +126,8 @@ def list_snapshots(directory: Path) -> list[Path]:
 def write_snapshot(path: Path, entries: list[Entry], segments: dict[str, int],
                    tokenizer: TokenizerFacts, dense: ServedDenseStore | None = None,
                    model: ModelFacts | None = None) -> None:
-    """A snapshot at ``path``, renamed into place whole, every file mode 0600 and fsynced:
+    """A snapshot at ``path``, renamed into place whole, every file mode 0600 and fsynced (and
+    written in a directory of mode 0700: the store's may be one others can enter):
     the requests' tokens as a datastore (with ``dense``'s keys into them as its dense index),
     their times and keys, and the ``segments`` offsets they include."""
     from vllm_retrieval_spec.datastore.build import build_datastore_from_token_ids
@@ -147,11 +148,12 @@ def write_snapshot(path: Path, entries: list[Entry], segments: dict[str, int],
         build_datastore_from_token_ids(
             [e.tokens for e in entries], path, tokenizer_name=tokenizer.name,
             tokenizer_fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
-            sources=[SERVED_SOURCE], overwrite=True, progress=False, then=finish)
+            sources=[SERVED_SOURCE], overwrite=True, progress=False, then=finish,
+            private=True)
     else:
         # Every request evicted or purged: a snapshot without a datastore says so.
         with atomic_path(path) as temporary:
-            temporary.mkdir()
+            temporary.mkdir(mode=DIR_MODE)
             finish(temporary)
     fsync_directory(path.parent)
 
