@@ -253,7 +253,7 @@ def test_a_snapshot_is_private_while_written_in_a_directory_others_can_enter(
     from vllm_retrieval_spec.datastore import served_saver
 
     store = tmp_path / "store"
-    store.mkdir(mode=0o755)
+    store.mkdir()
     store.chmod(0o755)
     seen = []
     make_private = served_saver.make_private_and_durable
