@@ -290,3 +290,31 @@ def test_served_options_with_the_served_store_off_are_refused(option, value):
         parse_speculative_config({**options, option: value}, VLLM_CPU_DEFAULTS)
     # The defaults stay, and so does a value equal to its default.
     parse_speculative_config({**options, "served_max_keys": 64}, VLLM_CPU_DEFAULTS)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"served_max_keys": 8}, r"'served_max_keys'\] needs served_store 'per_request': with "
+                             r"'shared' there is one store, bounded by served_max_tokens$"),
+    ({"served_dense_weight": 16.0}, r"'served_dense_weight'\] needs 'served_dense': true: "
+                                    r"without it no served hidden states are stored$"),
+    ({"served_dense_fit_states": 1024}, r"'served_dense_fit_states'\] needs 'served_dense'"),
+    ({"served_store": "per_request", "served_dense_max_keys": 10},
+     r"'served_dense_max_keys'\] needs 'served_dense'"),
+    ({"tree_branch_weight": 8.0}, r"'tree_branch_weight'\] needs 'tree': 'on': a chain has no "
+                                  r"branches$"),
+])
+def test_hybrid_options_of_a_part_left_off_are_refused(change, message):
+    # They were silently ignored: only per_request has keys to bound, only served_dense stores
+    # served hidden states, and only trees have branches.
+    hybrid = {"method": "hybrid", "num_speculative_tokens": 8}
+    with pytest.raises(ConfigError, match=message):
+        parse_speculative_config({**hybrid, **change}, VLLM_CPU_DEFAULTS)
+    # With the part on they are kept; a value equal to its default is no request for anything.
+    turned_on = {"served_max_keys": {"served_store": "per_request"},
+                 "tree_branch_weight": {"tree": "on"}}
+    name = [key for key in change if key != "served_store"][0]
+    on = turned_on.get(name, {"served_dense": True, "served_store": "shared"})
+    config = parse_speculative_config({**hybrid, **change, **on}, VLLM_CPU_DEFAULTS)
+    assert config_from_dict(config.to_dict()) == config
+    parse_speculative_config({**hybrid, "served_max_keys": 64, "tree_branch_weight": 4,
+                              "served_dense_weight": 8}, VLLM_CPU_DEFAULTS)
