@@ -318,3 +318,11 @@ def test_hybrid_options_of_a_part_left_off_are_refused(change, message):
     assert config_from_dict(config.to_dict()) == config
     parse_speculative_config({**hybrid, "served_max_keys": 64, "tree_branch_weight": 4,
                               "served_dense_weight": 8}, VLLM_CPU_DEFAULTS)
+
+
+def test_an_option_spelt_twice_is_refused():
+    # "max-occurrences" and "max_occurrences" are one option: the last one given once won.
+    with pytest.raises(ConfigError, match=r"sets 'max_occurrences' twice, as 'max-occurrences' "
+                                          r"and 'max_occurrences': give it once$"):
+        parse_speculative_config({**GOOD, "max-occurrences": 8, "max_occurrences": 32},
+                                 VLLM_CPU_DEFAULTS)

@@ -355,7 +355,15 @@ def parse_speculative_config(options: dict[str, Any], platform: PlatformDefaults
                              ) -> MethodConfig:
     """Validate a user's speculative_config dict for one of our methods; options it leaves out
     that depend on the platform come from ``platform``."""
-    options = {str(k).replace("-", "_"): v for k, v in options.items()}
+    spelt: dict[str, Any] = {}
+    for key in options:
+        name = str(key).replace("-", "_")
+        if name in spelt:
+            # One spelling's value would silently win over the other's.
+            raise ConfigError(f"speculative_config sets {name!r} twice, as {spelt[name]!r} and "
+                              f"{key!r}: give it once")
+        spelt[name] = key
+    options = {name: options[key] for name, key in spelt.items()}
     method = options.pop("method", None)
     if method not in METHODS:
         meant = misspelt_method(method, ())
