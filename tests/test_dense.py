@@ -322,6 +322,41 @@ def test_small_store_has_no_scann_searcher(tmp_path):
         DenseIndex.from_path(path, search="scann")
 
 
+@pytest.mark.parametrize("method", ["dresd", "hybrid"])
+def test_scann_asked_of_an_index_without_one_fails_in_the_front_end(tmp_path, method):
+    # It failed only in the worker, once vLLM had started the engine (DenseIndex.from_path).
+    from types import SimpleNamespace
+
+    from helpers import make_tokenizer
+    from vllm_retrieval_spec.config.model import validate_against_model
+    from vllm_retrieval_spec.datastore.format import tokenizer_fingerprint
+
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    model = save_tiny_model(tmp_path / "model")
+    states, labels = clustered_states(100, clusters=8)
+    path = tmp_path / "store"
+    build_datastore_from_token_ids([(labels % 8).tolist()], path, tokenizer_name="t",
+                                   tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                                   vocab_size=len(tokenizer), progress=False)
+    index_store(path, states[:99], np.arange(99), model_fingerprint=model_fingerprint(model))
+    model_config = SimpleNamespace(
+        tokenizer=str(tmp_path / "tokenizer"), tokenizer_revision=None, trust_remote_code=False,
+        model=str(model), dtype=torch.float32, get_hidden_size=lambda: HIDDEN)
+
+    def config(search):
+        return parse_speculative_config({"method": method, "num_speculative_tokens": 4,
+                                         "datastore": str(path), "search": search},
+                                        VLLM_CPU_DEFAULTS)
+
+    for search in ("auto", "exact"):
+        validate_against_model(config(search), model_config)
+    with pytest.raises(DatastoreError, match=r"dense has no ScaNN searcher \(built with "
+                                             r"--dense-index exact, or fewer than 4096 keys\); "
+                                             r"use search 'exact'"):
+        validate_against_model(config("scann"), model_config)
+
+
 def test_rebuilt_token_stream_invalidates_the_index(tmp_path):
     states, labels = clustered_states(100)
     path = make_store(tmp_path, [labels.tolist()])

@@ -106,18 +106,8 @@ class DenseIndex:
             mean=np.load(path / MEAN_FILE), inv_std=np.load(path / INV_STD_FILE),
             components=np.load(path / COMPONENTS_FILE),
             explained_variance=manifest.explained_variance)
-        if search == "auto":
-            search = "exact" if manifest.scann is None else "scann"
+        search = search_backend(path, manifest, search)
         if search == "scann":
-            if manifest.scann is None:
-                raise DatastoreError(
-                    f"{path} has no ScaNN searcher (built with --dense-index exact, or fewer than "
-                    f"{SCANN_MIN_KEYS} keys); use search 'exact' or {DENSE_REBUILD_HINT}")
-            if not (path / SCANN_DIR / SCANN_ASSETS).is_file():
-                # The manifest's checks cover the arrays only; a partial copy can lack this.
-                raise DatastoreError(
-                    f"{path / SCANN_DIR} has no ScaNN searcher ({SCANN_ASSETS} is missing), "
-                    f"which the manifest records; use search 'exact' or {DENSE_REBUILD_HINT}")
             self.searcher: ExactSearcher | ScannSearcher = ScannSearcher(path / SCANN_DIR)
         else:
             self.searcher = ExactSearcher(self.keys)
@@ -142,6 +132,25 @@ class DenseIndex:
         """(key indices int64 [B, n], inner products float32 [B, n]) of unit queries [B, d],
         best first; rows may hold fewer than ``top_n`` hits, padded with index -1."""
         return self.searcher.search(np.ascontiguousarray(queries, dtype=np.float32), top_n)
+
+
+def search_backend(path: Path, manifest: DenseManifest, search: str) -> str:
+    """The searcher ("exact" or "scann") that the ``search`` option picks for the dense index at
+    ``path``; fails where it names a ScaNN searcher the index lacks. The front-end checks it at
+    start-up too (``config.model``), before the engine starts."""
+    if search == "auto":
+        search = "exact" if manifest.scann is None else "scann"
+    if search == "scann":
+        if manifest.scann is None:
+            raise DatastoreError(
+                f"{path} has no ScaNN searcher (built with --dense-index exact, or fewer than "
+                f"{SCANN_MIN_KEYS} keys); use search 'exact' or {DENSE_REBUILD_HINT}")
+        if not (path / SCANN_DIR / SCANN_ASSETS).is_file():
+            # The manifest's checks cover the arrays only; a partial copy can lack this.
+            raise DatastoreError(
+                f"{path / SCANN_DIR} has no ScaNN searcher ({SCANN_ASSETS} is missing), "
+                f"which the manifest records; use search 'exact' or {DENSE_REBUILD_HINT}")
+    return search
 
 
 def dense_index_in_use(datastore: str | Path, mode: str) -> bool:
