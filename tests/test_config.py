@@ -160,6 +160,18 @@ def test_a_store_saved_before_the_journal_of_another_tokenizer_fails_in_the_fron
         validate_against_model(served_config(directory), model_config)
 
 
+def test_a_served_datastore_that_is_a_file_fails_in_the_front_end(model_config, tmp_path):
+    # It failed in the worker, once vLLM had started the engine, as a FileExistsError.
+    from vllm_retrieval_spec.config.model import validate_against_model
+
+    path = tmp_path / "served.jsonl"
+    path.write_text("")
+    with pytest.raises(ConfigError, match=r"\['served_datastore'\]='.*served.jsonl' exists and is "
+                                          r"not a directory: give a directory \(one that does "
+                                          r"not exist yet is created\)$"):
+        validate_against_model(served_config(path), model_config)
+
+
 @pytest.mark.parametrize("method", ["rest", "pld", "dresd", "hybrid"])
 def test_a_costly_draft_token_leaves_tree_min_prob_a_probability(method):
     # draft_token_cost may be up to 1, but 5.5 x 0.5 = 2.75 once failed the derived

@@ -23,6 +23,11 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
     datastore = store.datastore if store is not None else ""
     verify = store.verify_checksums if store is not None else True
     served = config.served.served_datastore if isinstance(config, HybridConfig) else ""
+    if served and Path(served).exists() and not Path(served).is_dir():
+        # The worker would fail creating it, once the engine had started (FileExistsError).
+        raise ConfigError(
+            f"speculative_config['served_datastore']={served!r} exists and is not a directory: "
+            "give a directory (one that does not exist yet is created)")
     if not datastore and not (served and Path(served).is_dir()):
         return
     from transformers import AutoTokenizer
