@@ -33,6 +33,8 @@ def test_parses_and_round_trips():
         ({"num_speculative_tokens": 65}, r"'num_speculative_tokens'\]=65 is out of range"),
         ({"num_speculative_tokens": "8"}, r"'num_speculative_tokens'\]='8' has type str; expected int"),
         ({"num_speculative_tokens": True}, r"has type bool; expected int"),
+        # A bool for an on/off choice (YAML reads an unquoted on as true): the choices named.
+        ({"tree": True}, r"'tree'\]=True has type bool; expected str, one of \['off', 'on'\]$"),
         ({"max_occurrences": 0}, r"'max_occurrences'\]=0 is out of range"),
         ({"min_match_len": 5, "max_match_len": 4}, r"'max_match_len'\]=4 is out of range .*\[5, 64\]"),
         ({"min_prefix_prob": 1.5}, r"'min_prefix_prob'\]=1.5 is out of range"),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_retrieval_spec.config.options import (
+    CHOICES,
     MAX_SPECULATIVE_TOKENS,
     TREE_COST_FACTOR,
     ConfigError,
@@ -437,6 +438,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     if str in allowed and isinstance(value, str):
         return value
     names = " or ".join(t.__name__ for t in allowed)
+    if name in CHOICES:
+        names += f", one of {list(CHOICES[name])}"
     raise ConfigError(
         f"speculative_config[{name!r}]={value!r} has type {type(value).__name__}; expected {names}"
     )

@@ -18,6 +18,10 @@ HYBRID_DENSE_MODES = ("auto", "on", "off")
 #: Who drafts from what the engine has served: nobody, every request, or the requests that name
 #: the same key (see README's note on the timing side channel).
 SERVED_STORE_MODES = ("off", "shared", "per_request")
+#: The options that take one of a few strings, named in a type error too: YAML reads an
+#: unquoted on / off as a bool, and ``"tree": true`` is natural to write.
+CHOICES = {"tree": ("off", "on"), "search": DENSE_SEARCH_BACKENDS, "dense": HYBRID_DENSE_MODES,
+           "served_store": SERVED_STORE_MODES}
 #: A tree branch is drafted while its estimated acceptance is at least this many times the cost
 #: of verifying a token. Replay of prompts 20-39 (hybrid, k = 24, four tasks, at the CPU's
 #: 0.055): thresholds 0.25 / 0.3 / 0.4 gave 1.028 / 1.031 / 1.030 the chain's modelled speedup
@@ -108,7 +112,7 @@ class TrieOptions:
     def check(self, method: str) -> None:
         check_range(method, self, "min_prefix_prob", 0.0, 1.0)
         check_range(method, self, "prior_weight", 0.0, 1e6)
-        check_choice(method, self, "tree", ("off", "on"))
+        check_choice(method, self, "tree", CHOICES["tree"])
         check_range(method, self, "tree_min_prob", 0.0, 1.0)
 
 
@@ -152,7 +156,7 @@ class DenseSearchOptions:
 
     def check(self, method: str) -> None:
         check_range(method, self, "top_n", 1, 4096)
-        check_choice(method, self, "search", DENSE_SEARCH_BACKENDS)
+        check_choice(method, self, "search", CHOICES["search"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +201,7 @@ class DenseOptions:
 
     def check(self, method: str) -> None:
         check_range(method, self, "dense_weight", 0.0, 1e6)
-        check_choice(method, self, "dense", HYBRID_DENSE_MODES)
+        check_choice(method, self, "dense", CHOICES["dense"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +243,7 @@ class ServedOptions:
     served_max_age_hours: float = 720.0
 
     def check(self, method: str) -> None:
-        check_choice(method, self, "served_store", SERVED_STORE_MODES)
+        check_choice(method, self, "served_store", CHOICES["served_store"])
         check_range(method, self, "served_max_tokens", 1, 1 << 31)
         check_range(method, self, "served_weight", 0.0, 1e6)
         check_range(method, self, "served_flush_ms", 1.0, 60_000.0)
