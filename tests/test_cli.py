@@ -230,6 +230,25 @@ def test_counts_below_their_least_are_refused_by_the_parser(capsys, argv, messag
     assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["build-datastore", "x", "-o", "y", "--dense"],
+                                  ["generate-corpus", "-o", "x"]])
+def test_a_dtype_vllm_does_not_know_is_refused_by_the_parser(capsys, argv):
+    # Before: vLLM's pydantic traceback once the model was converted (and, building a datastore
+    # from sources with --dense, once the whole corpus was tokenised).
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*argv, "--dtype", "float33"])
+    assert exit.value.code == 2
+    assert "argument --dtype: invalid choice: 'float33'" in capsys.readouterr().err
+
+
+def test_the_dtypes_offered_are_vllms():
+    import typing
+
+    from vllm.config.model import ModelDType
+
+    assert cli.DTYPES == typing.get_args(ModelDType)
+
+
 @pytest.mark.parametrize("model", ["empty-folder", "SmolLM2-135M"])
 def test_build_datastore_with_a_model_without_a_tokenizer(tmp_path, model):
     # An empty folder, or a typo of the offline model's name (looked up on the unreachable hub).

@@ -33,6 +33,10 @@ SOURCE_ALIASES = {
     "@stdlib": "the Python standard library sources (without site-packages)",
     "@site-packages": "the sources of the installed packages (purelib)",
 }
+#: vLLM 0.32's dtypes (``vllm.config.model.ModelDType``), spelled here so that no import of vLLM
+#: slows down the parser: another reached vLLM as a pydantic traceback, after the model was
+#: converted (and, for build-datastore with sources, after the whole corpus was tokenised).
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 def resolve_model(model: str) -> str:
@@ -388,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per forward window (longer documents are cut, with overlap)")
     p.add_argument("--dense-index", choices=("scann", "exact"), default="scann",
                    help="also build a ScaNN searcher, or keep exact search only")
-    p.add_argument("--dtype", default="float32",
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="forward dtype; must be the dtype that serves (recorded and checked)")
     p.set_defaults(func=build_datastore_command)
 
@@ -406,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int_at_least(1), default=256)
     p.add_argument("--temperature", type=float_at_least(0.0), default=0.0,
                    help="0: greedy (the model's own choices, what DReSD's keys assume)")
-    p.add_argument("--dtype", default="float32", help="as served (our benchmarks use float32)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="as served (our benchmarks use float32)")
     p.set_defaults(func=generate_corpus_command)
 
     p = sub.add_parser("inspect", help="print a datastore's manifest and file sizes")
