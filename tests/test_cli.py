@@ -216,6 +216,10 @@ def test_bench_sampling_options_need_a_temperature(tmp_path, sampling):
     (["bench", "--top-p", "1.5"], "argument --top-p: must be above 0 and at most 1, got 1.5"),
     (["build-datastore", "x", "-o", "y", "--batch-size", "0"],
      "argument --batch-size: must be 1 or more, got 0"),
+    # Before: "overlap 256 must be in [0, window=4)", of an overlap no flag sets, and with
+    # sources only once the datastore was built.
+    (["build-datastore", "x", "-o", "y", "--dense", "--dense-window", "256"],
+     "argument --dense-window: must be 257 or more, got 256"),
     (["generate-corpus", "-o", "x", "--max-tokens", "many"],
      "argument --max-tokens: 'many' is not an integer"),
     (["generate-corpus", "-o", "x", "--temperature", "-1"],

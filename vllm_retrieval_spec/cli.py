@@ -37,6 +37,9 @@ SOURCE_ALIASES = {
 #: slows down the parser: another reached vLLM as a pydantic traceback, after the model was
 #: converted (and, for build-datastore with sources, after the whole corpus was tokenised).
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+#: Tokens a dense forward window repeats of the one before it (``build_dense_index``'s
+#: ``overlap``): --dense-window must be longer, refused by the parser, since no flag sets it.
+DENSE_OVERLAP = 256
 
 
 def resolve_model(model: str) -> str:
@@ -161,7 +164,8 @@ def build_datastore_command(args: argparse.Namespace) -> None:
 
         manifest = build_dense_index(
             args.output, model, dims=args.pca_dims, fit_samples=args.dense_fit_samples,
-            dtype=args.dtype, window=args.dense_window, scann=args.dense_index == "scann",
+            dtype=args.dtype, window=args.dense_window, overlap=DENSE_OVERLAP,
+            scann=args.dense_index == "scann",
             overwrite=args.overwrite or bool(sources))
         print(f"dense index {args.output}/dense: {manifest.num_keys:,} keys, "
               f"{manifest.dims} dims keep {manifest.explained_variance:.1%} of the variance, "
@@ -388,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense key dimensions")
     p.add_argument("--dense-fit-samples", type=int_at_least(1), default=1_000_000,
                    help="hidden states sampled to fit the z-score statistics and PCA")
-    p.add_argument("--dense-window", type=int_at_least(1), default=1024,
-                   help="tokens per forward window (longer documents are cut, with overlap)")
+    p.add_argument("--dense-window", type=int_at_least(DENSE_OVERLAP + 1), default=1024,
+                   help="tokens per forward window (longer documents are cut into windows "
+                        f"that overlap by {DENSE_OVERLAP} tokens)")
     p.add_argument("--dense-index", choices=("scann", "exact"), default="scann",
                    help="also build a ScaNN searcher, or keep exact search only")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
