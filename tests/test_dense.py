@@ -291,6 +291,25 @@ def test_uncached_hub_id_fails(tmp_path, hub_cache):
         model_fingerprint(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "yarn", "factor": 4.0}])
+def test_a_window_longer_than_the_models_positions_is_refused_before_any_engine(tmp_path,
+                                                                               rope_scaling):
+    # Before: vLLM's pydantic traceback ("User-specified max_model_len (2048) is greater than
+    # the derived max_model_len ...") once vLLM had been imported and the engine configured.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "hidden_size": 8, "max_position_embeddings": 1024, "rope_scaling": rope_scaling}))
+    if rope_scaling is None:
+        message = (r"^a dense window of 2048 tokens is longer than the model's 1024 positions "
+                   r"\(max_position_embeddings\); give --dense-window 1024 or less$")
+    else:
+        # Scaled rope may hold more: vLLM judges, and here the datastore is looked at next.
+        message = r"no-datastore does not exist"
+    with pytest.raises(DatastoreError, match=message):
+        build_dense_index(tmp_path / "no-datastore", model, dims=4, window=2048)
+
+
 def test_missing_dense_index(tmp_path):
     path = make_store(tmp_path, [[1, 2, 3]])
     with pytest.raises(DatastoreError, match="has no dense index .* method 'dresd' needs; "

@@ -218,14 +218,11 @@ def build_dense_index(
     """
     from vllm_retrieval_spec.datastore.dense import (
         DENSE_DIR, check_dense_replaceable, dtype_name, write_dense_index)
-    from vllm_retrieval_spec.datastore.projection import check_pca_dims
-    from vllm_retrieval_spec.model_files import model_config_json, model_fingerprint
+    from vllm_retrieval_spec.model_files import model_fingerprint
     from vllm_retrieval_spec.datastore.format import load_datastore
 
     # Everything that can be wrong is checked before minutes of forward passes.
-    if not 0 <= overlap < window:
-        raise DatastoreError(f"overlap {overlap} must be in [0, window={window})")
-    check_pca_dims(dims, model_config_json(model)["hidden_size"])
+    check_dense_options(model, dims=dims, window=window, overlap=overlap)
     datastore = load_datastore(datastore_path)
     check_dense_replaceable(Path(datastore_path) / DENSE_DIR, overwrite)
     fingerprint = model_fingerprint(model)
@@ -250,6 +247,26 @@ def build_dense_index(
             fit_samples=fit_samples, scann=scann, overwrite=overwrite, progress=progress)
     finally:
         states_file.unlink(missing_ok=True)
+
+
+def check_dense_options(model: str | Path, *, dims: int, window: int, overlap: int) -> None:
+    """The options of ``build_dense_index`` that ``model`` can refuse, checked from its
+    config.json alone: by the CLI also before it builds a datastore from sources (minutes of
+    tokenising, then a datastore left without the index asked for)."""
+    from vllm_retrieval_spec.datastore.projection import check_pca_dims
+    from vllm_retrieval_spec.model_files import model_config_json
+
+    if not 0 <= overlap < window:
+        raise DatastoreError(f"overlap {overlap} must be in [0, window={window})")
+    config = model_config_json(model)
+    check_pca_dims(dims, config["hidden_size"])
+    positions = config.get("max_position_embeddings")
+    # vLLM refuses a longer max_model_len (the window) with a pydantic traceback; a config that
+    # scales its rope may allow more, which vLLM alone knows how to work out.
+    if isinstance(positions, int) and window > positions and not config.get("rope_scaling"):
+        raise DatastoreError(f"a dense window of {window} tokens is longer than the model's "
+                             f"{positions} positions (max_position_embeddings); give "
+                             f"--dense-window {positions} or less")
 
 
 def _dense_windows(tokens: np.ndarray, window: int,
