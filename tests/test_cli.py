@@ -284,6 +284,26 @@ def test_build_datastore_checks_its_arguments_before_the_model(monkeypatch, tmp_
         cli.main(["build-datastore", *sources, "-o", str(tmp_path / "ds")])
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--pca-dims", "1000"], r"^error: PCA dims 1000 is out of range: must be in \[1, 8\]"),
+    (["--pca-dims", "4", "--dense-window", "4096"],
+     r"^error: a dense window of 4096 tokens is longer than the model's 2048 positions"),
+])
+def test_dense_options_are_checked_before_the_sources_are_built(monkeypatch, tmp_path, option,
+                                                                 message):
+    # Before: the corpus was tokenised and the datastore written, then the dense index refused,
+    # and the same command run again refused the datastore it had written.
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: pytest.fail("corpus tokenised"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8, "max_position_embeddings": 2048}')
+    (tmp_path / "doc.txt").write_text("hello")
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["build-datastore", str(tmp_path / "doc.txt"), "-o", str(tmp_path / "ds"),
+                  "--model", str(model), "--dense", *option])
+    assert not (tmp_path / "ds").exists()
+
+
 def test_a_models_tokenizer_is_loaded_once(monkeypatch):
     # bench loads it for its prompts and again for its warm-up text.
     import transformers

@@ -146,6 +146,13 @@ def build_datastore_command(args: argparse.Namespace) -> None:
         check_sources(sources)
         check_replaceable(Path(args.output), args.overwrite)
     model = resolve_model(args.model)
+    if sources and args.dense:
+        from vllm_retrieval_spec.datastore.build import check_dense_options
+
+        # Before the corpus is tokenised (minutes): failing after, the index asked for would be
+        # missing from a datastore that a rerun with the same command refuses to replace.
+        check_dense_options(model, dims=args.pca_dims, window=args.dense_window,
+                            overlap=DENSE_OVERLAP)
     if sources:
         from vllm_retrieval_spec.datastore.build import build_datastore
 
