@@ -701,6 +701,14 @@ def test_bench_refuses_a_datastore_that_is_not_one_before_any_engine(monkeypatch
                   str(tmp_path / "nowhere"), "--sequential", "--output-dir", str(tmp_path)])
 
 
+def test_bench_refuses_two_datastores_of_one_name(tmp_path):
+    # Before: the last one alone was kept, and rest:own measured b/own without a word of a/own.
+    with pytest.raises(SystemExit, match=r"^error: --datastore names own more than once; give "
+                                         r"each datastore its own name, as NAME=DIR$"):
+        cli.main(["bench", "--model", str(tmp_path), "--methods", "rest:own",
+                  "--datastore", str(tmp_path / "a/own"), "--datastore", str(tmp_path / "b/own")])
+
+
 @pytest.mark.parametrize("options, message", [
     ("{bad", r"^error: --method-options is not JSON \(Expecting property name"),
     ("[1]", r"^error: --method-options must be a JSON object of objects"),

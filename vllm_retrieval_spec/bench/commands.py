@@ -25,7 +25,7 @@ def bench_command(args: argparse.Namespace) -> None:
         BenchSettings, check_memory_for_interleaving, method_runs, run_benchmark)
     from vllm_retrieval_spec.datastore.format import load_datastore, make_output_dir
 
-    datastores = dict(datastore_entry(entry) for entry in args.datastore or [])
+    datastores = datastore_entries(args.datastore or [])
     for directory in datastores.values():
         # A missing or unfinished datastore would fail its rows only once the engines before
         # them had started (minutes); its manifest and sizes are checked in milliseconds.
@@ -118,6 +118,19 @@ def datastore_entry(entry: str) -> tuple[str, str]:
     if sep and "/" not in name:
         return name or Path(path).name, path
     return Path(entry).name, entry
+
+
+def datastore_entries(entries: list[str]) -> dict[str, str]:
+    """Repeated ``--datastore [NAME=]DIR`` -> {NAME: DIR}. A name given twice (two directories
+    of one name, say a/own and b/own) is refused: the dict would keep the last alone, and every
+    row named for it would measure that one, silently."""
+    pairs = [datastore_entry(entry) for entry in entries]
+    names = [name for name, _ in pairs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise SystemExit(f"error: --datastore names {', '.join(repeated)} more than once; "
+                         "give each datastore its own name, as NAME=DIR")
+    return dict(pairs)
 
 
 def bench_prompts(model: str, args: argparse.Namespace) -> dict[str, list[list[int]]]:
