@@ -428,6 +428,17 @@ def test_served_purge_removes_a_keys_requests(tmp_path, capsys):
         cli.main(["served", "purge", str(tmp_path), "--older-than", "-1"])
 
 
+@pytest.mark.parametrize("option, value", [("--older-than", "nan"), ("--older-than", "inf"),
+                                           ("--wait", "nan")])
+def test_served_purge_refuses_numbers_that_are_no_time(tmp_path, option, value):
+    # Before: --older-than nan or inf was a ValueError or OverflowError traceback once the store
+    # was opened, and --wait nan did not wait.
+    unit = "hours" if option == "--older-than" else "seconds"
+    with pytest.raises(SystemExit, match=rf"^error: {option} must be 0 or more {unit}, "
+                                         rf"got {value}$"):
+        cli.main(["served", "purge", str(tmp_path), option, value])
+
+
 def _replica_serving(directory, keys, replica=None):
     """A server (no threads) that served one request of each key, its journal flushed."""
     import numpy as np

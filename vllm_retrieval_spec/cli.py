@@ -221,10 +221,12 @@ def served_purge_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastore.served_saver import (
         LEASE_S, compact_purged, files_holding_purged, in_open_segments, purge)
 
-    if args.older_than is not None and args.older_than < 0:
-        raise SystemExit("error: --older-than must be 0 or more hours")
-    if args.wait is not None and args.wait < 0:
-        raise SystemExit("error: --wait must be 0 or more seconds")
+    # Written so that nan fails too, and inf hours (which the purge file's milliseconds cannot
+    # hold): both were a ValueError or OverflowError traceback, and --wait nan waited not at all.
+    if args.older_than is not None and not 0 <= args.older_than < float("inf"):
+        raise SystemExit(f"error: --older-than must be 0 or more hours, got {args.older_than}")
+    if args.wait is not None and not args.wait >= 0:
+        raise SystemExit(f"error: --wait must be 0 or more seconds, got {args.wait}")
     directory = Path(args.directory)
     snapshot, removed = purge(directory, key=args.key, older_than_hours=args.older_than)
     waiting = files_holding_purged(directory, read_purges(directory)[1])
