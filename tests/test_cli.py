@@ -109,6 +109,11 @@ def test_a_server_start_removes_the_metrics_directories_of_exited_servers(monkey
     # Before: a JSONDecodeError traceback.
     (["--speculative-model", "rest", "--speculative-options", "{top_n: 4}"],
      r"^error: --speculative-options is not JSON \(Expecting property name"),
+    # Before: the JSON's method and num_speculative_tokens silently won over the flags.
+    (["--speculative-model", "rest", "--num-speculative-tokens", "6", "--speculative-options",
+      '{"method": "dresd", "num_speculative_tokens": 4}'],
+     r"^error: --speculative-options gives method, num_speculative_tokens, which flags give "
+     r"too \(--speculative-model, --num-speculative-tokens\); give each once$"),
 ])
 def test_speculative_model_errors(exec_argv, argv, message):
     calls, model = exec_argv

@@ -298,6 +298,15 @@ def speculative_model_config(args: argparse.Namespace) -> str | None:
         raise SystemExit(f"error: --speculative-options is not JSON ({e})") from None
     if not isinstance(options, dict):
         raise SystemExit("error: --speculative-options must be a JSON object")
+    # Given by a flag too, one of the two silently lost: the JSON's method and
+    # num_speculative_tokens won over the flags, --datastore over the JSON's.
+    flags = {"method": ("--speculative-model", args.speculative_model),
+             "num_speculative_tokens": ("--num-speculative-tokens", args.num_speculative_tokens),
+             "datastore": ("--datastore", args.datastore)}
+    twice = [key for key, (_, value) in flags.items() if key in options and value is not None]
+    if twice:
+        raise SystemExit(f"error: --speculative-options gives {', '.join(twice)}, which flags "
+                         f"give too ({', '.join(flags[key][0] for key in twice)}); give each once")
     config = {"method": args.speculative_model,
               "num_speculative_tokens": args.num_speculative_tokens or 8, **options}
     if args.datastore is not None:
