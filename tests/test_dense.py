@@ -291,16 +291,24 @@ def test_uncached_hub_id_fails(tmp_path, hub_cache):
         model_fingerprint(tmp_path / "nowhere")
 
 
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "yarn", "factor": 4.0}])
-def test_a_window_longer_than_the_models_positions_is_refused_before_any_engine(tmp_path,
-                                                                               rope_scaling):
+@pytest.mark.parametrize("rope, scaled", [
+    ({}, False),
+    ({"rope_scaling": None}, False),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}, False),  # transformers 5
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, True),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, True),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"},
+                          "sliding_attention": {"rope_type": "yarn", "factor": 4.0}}}, True),
+])
+def test_a_window_longer_than_the_models_positions_is_refused_before_any_engine(tmp_path, rope,
+                                                                               scaled):
     # Before: vLLM's pydantic traceback ("User-specified max_model_len (2048) is greater than
     # the derived max_model_len ...") once vLLM had been imported and the engine configured.
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "hidden_size": 8, "max_position_embeddings": 1024, "rope_scaling": rope_scaling}))
-    if rope_scaling is None:
+        "hidden_size": 8, "max_position_embeddings": 1024, **rope}))
+    if not scaled:
         message = (r"^a dense window of 2048 tokens is longer than the model's 1024 positions "
                    r"\(max_position_embeddings\); give --dense-window 1024 or less$")
     else:

@@ -262,11 +262,25 @@ def check_dense_options(model: str | Path, *, dims: int, window: int, overlap: i
     check_pca_dims(dims, config["hidden_size"])
     positions = config.get("max_position_embeddings")
     # vLLM refuses a longer max_model_len (the window) with a pydantic traceback; a config that
-    # scales its rope may allow more, which vLLM alone knows how to work out.
-    if isinstance(positions, int) and window > positions and not config.get("rope_scaling"):
+    # scales its rope, or VLLM_ALLOW_LONG_MAX_MODEL_LEN, may allow more, which vLLM alone
+    # knows how to work out.
+    if (isinstance(positions, int) and window > positions and not scales_rope(config)
+            and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0")):
         raise DatastoreError(f"a dense window of {window} tokens is longer than the model's "
                              f"{positions} positions (max_position_embeddings); give "
                              f"--dense-window {positions} or less")
+
+
+def scales_rope(config: dict[str, Any]) -> bool:
+    """Whether config.json scales its rotary positions: ``rope_scaling`` (transformers 4) or
+    ``rope_parameters`` (5; one dict, or one per layer type) of a type other than "default"."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        return False
+    layers = [rope] if "rope_type" in rope or "type" in rope else [
+        value for value in rope.values() if isinstance(value, dict)]
+    return any(layer.get("rope_type", layer.get("type")) not in (None, "default")
+               for layer in layers)
 
 
 def _dense_windows(tokens: np.ndarray, window: int,
