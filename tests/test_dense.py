@@ -419,7 +419,39 @@ def test_missing_scann_searcher_fails(clustered_store, tmp_path):
     with pytest.raises(DatastoreError, match=r"dense/scann has no ScaNN searcher .*use search "
                                              r"'exact' or rebuild it"):
         DenseIndex.from_path(copy)
+    # Refused by the start-up check too, which runs before vLLM starts the engine; only the
+    # worker's DenseIndex refused it before.
+    with pytest.raises(DatastoreError, match=r"dense/scann has no ScaNN searcher"):
+        check_dense_index(copy)
+    check_dense_index(copy, search="exact")
     assert DenseIndex.from_path(copy, search="exact").search_backend == "exact"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_damaged_scann_searcher_fails_at_the_start_up_check(clustered_store, tmp_path, damage):
+    """The ScaNN searcher's files are recorded in the manifest and checked like the arrays.
+    Before: a truncated file passed the start-up check and the worker failed with ScaNN's
+    RuntimeError ("Error loading artifacts: File too short"); a flipped byte of dataset.npy
+    (the exact re-ranking's vectors) searched silently with the damaged vectors."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(clustered_store[0], copy)
+    file = copy / DENSE_DIR / "scann" / "dataset.npy"
+    data = bytearray(file.read_bytes())
+    if damage == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        data[-1] ^= 0xFF
+    file.write_bytes(bytes(data))
+    message = (r"scann/dataset.npy has \d+ bytes, the manifest records \d+; rebuild it"
+               if damage == "truncated" else r"scann/dataset.npy is corrupt \(sha256 differs\)")
+    with pytest.raises(DatastoreError, match=message):
+        check_dense_index(copy)
+    with pytest.raises(DatastoreError, match=message):
+        DenseIndex.from_path(copy)
+    # Exact search does not read the searcher's files.
+    check_dense_index(copy, search="exact")
 
 
 def test_keys_with_a_damaged_header_fail(tmp_path):

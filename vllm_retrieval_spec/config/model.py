@@ -32,8 +32,7 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
         return
     from transformers import AutoTokenizer
 
-    from vllm_retrieval_spec.datastore.dense import (
-        DENSE_DIR, check_dense_index, dense_index_in_use, search_backend)
+    from vllm_retrieval_spec.datastore.dense import check_dense_index, dense_index_in_use
     from vllm_retrieval_spec.datastore.format import load_datastore, tokenizer_fingerprint
     from vllm_retrieval_spec.model_files import model_fingerprint
 
@@ -56,14 +55,11 @@ def validate_against_model(config: MethodConfig, model_config: Any) -> None:
     if isinstance(config, DresdConfig) or (
             isinstance(config, HybridConfig) and dense_index_in_use(datastore, config.dense.dense)):
         # Its keys are hidden states: they must be this model's, in this dtype.
-        _, manifest = check_dense_index(
+        check_dense_index(
             datastore, expected_tokenizer_fingerprint=fingerprint,
             hidden_size=model_config.get_hidden_size(), dtype=model_config.dtype,
             expected_model_fingerprint=model_fingerprint(model_config.model),
-            verify_checksums=verify)
-        # Here rather than in the worker: search 'scann' of an index without that searcher
-        # would fail only once the engine had started.
-        search_backend(Path(datastore) / DENSE_DIR, manifest, config.search.search)
+            search=config.search.search, verify_checksums=verify)
     else:
         # Tokens of another tokenizer would draft nonsense, or ids outside the vocabulary.
         load_datastore(datastore, expected_fingerprint=fingerprint, verify_checksums=verify)

@@ -8,7 +8,8 @@ Lives in ``<datastore>/dense/`` beside the REST index and shares its ``tokens.np
                           (the state predicted the token after it; the tokens after that are the draft)
     dense/mean.npy, inv_std.npy   float32 [hidden_size]: z-score statistics
     dense/components.npy  float32 [hidden_size, dims]: PCA directions of the z-scored states
-    dense/scann/          the ScaNN searcher (optional; exact search needs only keys.npy)
+    dense/scann/          the ScaNN searcher (optional; exact search needs only keys.npy), its
+                          files' sizes and checksums recorded in the manifest's ``scann_files``
 
 A key stores a position (8 bytes), not a copy of the next tokens, and every array is opened as a
 read-only memory map. Exact search (a matmul over all keys) serves small stores and is the oracle
@@ -82,6 +83,8 @@ class DenseManifest:
     tokens_sha256: str
     files: dict[str, dict[str, Any]]
     scann: dict[str, Any] | None = None
+    #: File name in scann/ -> {"bytes", "sha256"}; None in indexes built before it was recorded.
+    scann_files: dict[str, dict[str, Any]] | None = None
     created: str = dataclasses.field(
         default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
@@ -106,7 +109,8 @@ class DenseIndex:
             mean=np.load(path / MEAN_FILE), inv_std=np.load(path / INV_STD_FILE),
             components=np.load(path / COMPONENTS_FILE),
             explained_variance=manifest.explained_variance)
-        search = search_backend(path, manifest, search)
+        # Sizes only: the start-up check (``check_dense_index``) verified the checksums.
+        search = check_searcher(path, manifest, search, verify_checksums=False)
         if search == "scann":
             self.searcher: ExactSearcher | ScannSearcher = ScannSearcher(path / SCANN_DIR)
         else:
@@ -125,32 +129,13 @@ class DenseIndex:
     ) -> DenseIndex:
         datastore, manifest = check_dense_index(
             datastore_path, expected_model_fingerprint=expected_model_fingerprint,
-            hidden_size=hidden_size, verify_checksums=verify_checksums)
+            hidden_size=hidden_size, search=search, verify_checksums=verify_checksums)
         return cls(Path(datastore_path) / DENSE_DIR, manifest, datastore, search)
 
     def search(self, queries: np.ndarray, top_n: int) -> tuple[np.ndarray, np.ndarray]:
         """(key indices int64 [B, n], inner products float32 [B, n]) of unit queries [B, d],
         best first; rows may hold fewer than ``top_n`` hits, padded with index -1."""
         return self.searcher.search(np.ascontiguousarray(queries, dtype=np.float32), top_n)
-
-
-def search_backend(path: Path, manifest: DenseManifest, search: str) -> str:
-    """The searcher ("exact" or "scann") that the ``search`` option picks for the dense index at
-    ``path``; fails where it names a ScaNN searcher the index lacks. The front-end checks it at
-    start-up too (``config.model``), before the engine starts."""
-    if search == "auto":
-        search = "exact" if manifest.scann is None else "scann"
-    if search == "scann":
-        if manifest.scann is None:
-            raise DatastoreError(
-                f"{path} has no ScaNN searcher (built with --dense-index exact, or fewer than "
-                f"{SCANN_MIN_KEYS} keys); use search 'exact' or {DENSE_REBUILD_HINT}")
-        if not (path / SCANN_DIR / SCANN_ASSETS).is_file():
-            # The manifest's checks cover the arrays only; a partial copy can lack this.
-            raise DatastoreError(
-                f"{path / SCANN_DIR} has no ScaNN searcher ({SCANN_ASSETS} is missing), "
-                f"which the manifest records; use search 'exact' or {DENSE_REBUILD_HINT}")
-    return search
 
 
 def dense_index_in_use(datastore: str | Path, mode: str) -> bool:
@@ -173,11 +158,12 @@ def check_dense_index(
     hidden_size: int | None = None,
     dtype: Any = None,
     expected_tokenizer_fingerprint: str | None = None,
+    search: str = "auto",
     verify_checksums: bool = True,
 ) -> tuple[Datastore, DenseManifest]:
     """Start-up checks: the datastore and its dense index are complete, intact and were built
     from the model being served (same hidden size and weights, and forward passes in ``dtype``,
-    the served dtype: a torch.dtype or its name)."""
+    the served dtype: a torch.dtype or its name), and the searcher ``search`` picks is there."""
     datastore = load_datastore(datastore_path, expected_fingerprint=expected_tokenizer_fingerprint,
                                verify_checksums=verify_checksums)
     path = Path(datastore_path) / DENSE_DIR
@@ -203,7 +189,42 @@ def check_dense_index(
             f"the index in {served}: `vllm-rsd build-datastore --dense --overwrite --dtype "
             f"{served} -o {datastore_path} --model MODEL`")
     check_dense_files(path, manifest, verify_checksums=verify_checksums)
+    check_searcher(path, manifest, search, verify_checksums=verify_checksums)
     return datastore, manifest
+
+
+def check_searcher(path: Path, manifest: DenseManifest, search: str, *,
+                   verify_checksums: bool) -> str:
+    """The backend ``search`` resolves to ("auto": ScaNN when the index has a searcher), after
+    checking that a ScaNN searcher's files are all there, of the recorded sizes (and checksums);
+    ScaNN itself fails on a damaged file only when it loads it, in the worker, as a traceback."""
+    if search not in DENSE_SEARCH_BACKENDS:
+        raise DatastoreError(f"dense search {search!r} is not one of {DENSE_SEARCH_BACKENDS}")
+    if search == "auto":
+        search = "exact" if manifest.scann is None else "scann"
+    if search != "scann":
+        return search
+    if manifest.scann is None:
+        raise DatastoreError(
+            f"{path} has no ScaNN searcher (built with --dense-index exact, or fewer than "
+            f"{SCANN_MIN_KEYS} keys); use search 'exact' or {DENSE_REBUILD_HINT}")
+    directory = path / SCANN_DIR
+    if not (directory / SCANN_ASSETS).is_file():
+        # A partial copy can lack it.
+        raise DatastoreError(
+            f"{directory} has no ScaNN searcher ({SCANN_ASSETS} is missing), "
+            f"which the manifest records; use search 'exact' or {DENSE_REBUILD_HINT}")
+    for name, entry in (manifest.scann_files or {}).items():
+        file = directory / name
+        if not file.is_file():
+            raise DatastoreError(f"{file} is missing; {DENSE_REBUILD_HINT}")
+        if file.stat().st_size != entry["bytes"]:
+            raise DatastoreError(
+                f"{file} has {file.stat().st_size} bytes, the manifest records "
+                f"{entry['bytes']}; {DENSE_REBUILD_HINT}")
+        if verify_checksums and file_sha256(file) != entry["sha256"]:
+            raise DatastoreError(f"{file} is corrupt (sha256 differs); {DENSE_REBUILD_HINT}")
+    return search
 
 
 def dtype_name(dtype: Any) -> str:
@@ -230,6 +251,12 @@ def load_dense_manifest(path: Path, datastore: Datastore) -> DenseManifest:
                 map(is_file_entry, manifest.files.values())):
             raise DatastoreError("its 'files' must map names to {bytes: integer, sha256: "
                                  "string, dtype: string, shape: list of integers}")
+        if manifest.scann_files is not None and not (
+                isinstance(manifest.scann_files, dict) and all(
+                    isinstance(e, dict) and isinstance(e.get("bytes"), int)
+                    and isinstance(e.get("sha256"), str) for e in manifest.scann_files.values())):
+            raise DatastoreError("its 'scann_files' must map names to {bytes: integer, "
+                                 "sha256: string}")
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise DatastoreError(f"{manifest_path} is unusable ({e}); {DENSE_REBUILD_HINT}") from None
     if manifest.tokens_sha256 != datastore.manifest.files[TOKENS_FILE]["sha256"]:
@@ -365,12 +392,14 @@ def write_dense_keys(
         np.save(tmp / MEAN_FILE, projection.mean)
         np.save(tmp / INV_STD_FILE, projection.inv_std)
         np.save(tmp / COMPONENTS_FILE, projection.components)
-        settings = None
+        settings = scann_files = None
         if scann and num_keys >= SCANN_MIN_KEYS:
             if progress is not False:
                 print(f"building the ScaNN searcher over {num_keys:,} keys", file=sys.stderr)
             settings = scann_settings(num_keys)
             build_scann(keys, tmp / SCANN_DIR, settings)
+            scann_files = {file.name: {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+                           for file in sorted((tmp / SCANN_DIR).iterdir())}
         del keys
         files = (KEYS_FILE, POSITIONS_FILE, MEAN_FILE, INV_STD_FILE, COMPONENTS_FILE)
         manifest = DenseManifest(
@@ -378,6 +407,7 @@ def write_dense_keys(
             hidden_size=hidden_size, layer=layer, dtype=dtype, dims=dims,
             explained_variance=projection.explained_variance, num_keys=num_keys,
             num_fit_samples=num_fit_samples, tokens_sha256=tokens_sha256,
-            files={name: describe_file(tmp / name) for name in files}, scann=settings)
+            files={name: describe_file(tmp / name) for name in files}, scann=settings,
+            scann_files=scann_files)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
     return manifest
