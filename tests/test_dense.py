@@ -488,6 +488,29 @@ def test_arrays_in_another_byte_order_fail(tmp_path, name):
         DenseIndex.from_path(path, verify_checksums=False)
 
 
+def test_inspect_verify_checks_the_dense_index(tmp_path, capsys):
+    """`inspect --verify` "checks every checksum": the dense index's too. Before: a flipped
+    byte in dense/keys.npy was reported as "(checksums verified)"."""
+    from vllm_retrieval_spec import cli
+
+    states, labels = clustered_states(100)
+    path = make_store(tmp_path, [labels.tolist()])
+    index_store(path, states[:99], np.arange(99))
+    cli.main(["inspect", str(path), "--verify"])
+    keys = path / DENSE_DIR / KEYS_FILE
+    data = bytearray(keys.read_bytes())
+    data[-1] ^= 0x01
+    keys.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match=r"^error: .*dense/keys.npy is corrupt \(sha256 differs"):
+        cli.main(["inspect", str(path), "--verify"])
+    capsys.readouterr()
+    cli.main(["inspect", str(path)])  # sizes and headers only
+    assert "dense/keys.npy" in capsys.readouterr().out
+    keys.write_bytes(bytes(data[:-2]))
+    with pytest.raises(SystemExit, match=r"^error: .*dense/keys.npy has \d+ bytes, the manifest"):
+        cli.main(["inspect", str(path)])
+
+
 def test_existing_index_needs_overwrite(tmp_path):
     states, labels = clustered_states(100)
     path = make_store(tmp_path, [labels.tolist()])

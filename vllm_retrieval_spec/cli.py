@@ -203,13 +203,26 @@ def inspect_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastore.format import load_datastore
 
     datastore = load_datastore(args.datastore, verify_checksums=args.verify)
+    names = sorted(datastore.manifest.files)
+    if (Path(args.datastore) / "dense").is_dir():
+        from vllm_retrieval_spec.datastore.dense import (
+            DENSE_DIR, SCANN_DIR, check_dense_files, check_searcher, load_dense_manifest)
+
+        # The dense index's files are in its own manifest: checked (and verified) too.
+        dense_path = Path(args.datastore) / DENSE_DIR
+        dense = load_dense_manifest(dense_path, datastore)
+        check_dense_files(dense_path, dense, verify_checksums=args.verify)
+        check_searcher(dense_path, dense, "auto", verify_checksums=args.verify)
+        names += [f"{DENSE_DIR}/{name}" for name in sorted(dense.files)]
+        names += [f"{DENSE_DIR}/{SCANN_DIR}/{name}" for name in sorted(dense.scann_files or {})]
     print(datastore.manifest.to_json())
+    width = max(24, *map(len, names))
     total = 0
-    for name in sorted(datastore.manifest.files):
+    for name in names:
         size = (Path(args.datastore) / name).stat().st_size
         total += size
-        print(f"{name:24s} {size / 2**20:10.1f} MiB")
-    print(f"{'total':24s} {total / 2**20:10.1f} MiB"
+        print(f"{name:{width}s} {size / 2**20:10.1f} MiB")
+    print(f"{'total':{width}s} {total / 2**20:10.1f} MiB"
           + ("  (checksums verified)" if args.verify else ""))
 
 
