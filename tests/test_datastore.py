@@ -461,6 +461,22 @@ def test_overwrite(store, tokenizer, tmp_path):
     assert (precious / "thesis.tex").exists()
 
 
+def test_overwrite_through_a_symlink(store, tokenizer, tmp_path):
+    """A datastore reached through a symbolic link (to a larger disk, say) is replaced where the
+    link points. Before: the whole build ran, then renaming it into place failed with
+    NotADirectoryError (a traceback; the old store was kept)."""
+    link = tmp_path / "link"
+    link.symlink_to(store)
+    other = tmp_path / "other.txt"
+    other.write_text("hello world")
+    with pytest.raises(DatastoreError, match="already holds a datastore; pass overwrite=True"):
+        build([other], link, tokenizer)
+    build([other], link, tokenizer, overwrite=True)
+    assert link.is_symlink() and link.resolve() == store
+    assert load_datastore(link).tokens.tolist() == [*ids(tokenizer, "hello world"), SEPARATOR]
+    assert leftovers(tmp_path) == []
+
+
 def test_output_without_a_name(tmp_path, tokenizer, monkeypatch):
     # `mkdir ds && cd ds && vllm-rsd build-datastore ... -o .`: once a ValueError traceback.
     (tmp_path / "doc.txt").write_text("hello world")

@@ -392,6 +392,9 @@ def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False,
     replaced only with ``overwrite=True``; a non-empty directory that is not a datastore never is.
     """
     output = Path(output)
+    if output.is_symlink():
+        # A directory cannot be renamed over a link: the new store goes where the link points.
+        output = output.resolve()
     check_replaceable(output, overwrite)
     # The parent first: atomic_path cannot even clear its temporary name under a file.
     make_output_dir(output.parent, output)
