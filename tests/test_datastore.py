@@ -290,6 +290,19 @@ def test_dtype_and_shape_mismatch(store):
         load_datastore(store, verify_checksums=False)
 
 
+@pytest.mark.parametrize("name", [TOKENS_FILE, SUFFIX_ARRAY_FILE])
+def test_npy_header_that_no_longer_parses(store, name):
+    """One byte of a header damaged (its closing brace): a one-line 'rebuild it', checksums on
+    or off. Before: numpy's tokenize.TokenError ("EOF in multi-line statement") as a traceback,
+    since the header check runs before the checksums."""
+    path = store / name
+    path.write_bytes(path.read_bytes().replace(b"}", b" ", 1))
+    for verify in (True, False):
+        with pytest.raises(DatastoreError, match=rf"{name} is not a valid .npy file \(.*\); "
+                                                 r"rebuild it"):
+            load_datastore(store, verify_checksums=verify)
+
+
 def test_empty_corpus(tmp_path, tokenizer):
     src = tmp_path / "src"
     src.mkdir()

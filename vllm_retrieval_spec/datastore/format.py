@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import struct
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -298,10 +299,15 @@ def read_npy_header(file: Path) -> tuple[np.dtype, tuple[int, ...]]:
     """dtype and shape from a .npy header; ValueError when it is not a C-order .npy file."""
     with open(file, "rb") as f:
         version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(f)
-        else:
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(f)
+        try:
+            if version == (1, 0):
+                shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(f)
+        except (SyntaxError, TypeError, tokenize.TokenError) as e:
+            # A damaged byte can leave a bracket open (numpy's fallback parser then raises
+            # these, not its ValueError) or make a key a bytes literal (a TypeError).
+            raise ValueError(f"its header does not parse: {e}") from None
     if fortran_order:
         raise ValueError("array is in Fortran order")
     return dtype, tuple(shape)
