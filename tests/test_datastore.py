@@ -430,6 +430,20 @@ def test_interrupted_tokenization_leaves_nothing(tmp_path, tokenizer, corpus):
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+def test_a_killed_builds_temporary_is_named_by_the_next_build(tmp_path, tokenizer, corpus,
+                                                              capsys):
+    # SIGKILL or the OOM killer runs no cleanup: its <out>.tmp-<pid> stayed unnoticed for good.
+    from test_atomic import dead_pid
+
+    sources, _, _ = corpus
+    out = tmp_path / "ds"
+    killed = tmp_path / f"ds.tmp-{dead_pid()}"
+    killed.mkdir()
+    build(sources, out, tokenizer)
+    assert f"note: {killed} (0.0 MiB) was left by process" in capsys.readouterr().err
+    assert leftovers(tmp_path) == [killed.name] and load_datastore(out).manifest.num_documents
+
+
 def test_failed_suffix_array_leaves_nothing(tmp_path, tokenizer, corpus, monkeypatch):
     import pydivsufsort
 

@@ -291,6 +291,26 @@ def test_uncached_hub_id_fails(tmp_path, hub_cache):
         model_fingerprint(tmp_path / "nowhere")
 
 
+def test_a_killed_dense_builds_states_are_named_before_the_engine_starts(tmp_path, monkeypatch,
+                                                                        capsys):
+    # 4 x hidden size bytes a token, left inside the datastore by a build killed mid-forward.
+    from test_atomic import dead_pid
+    from vllm_retrieval_spec.datastore import build
+
+    path = make_store(tmp_path, [[1, 2, 3, 4]])
+    killed = path / f"dense.states.tmp-{dead_pid()}"
+    killed.write_bytes(bytes(2**20))
+
+    def no_engine(*args):
+        raise RuntimeError("no engine in this test")
+
+    monkeypatch.setattr(build, "_hidden_state_engine", no_engine)
+    with pytest.raises(RuntimeError, match="no engine"):
+        build_dense_index(path, save_tiny_model(tmp_path / "model"), dims=4)
+    assert f"note: {killed} (1.0 MiB) was left by process" in capsys.readouterr().err
+    assert killed.is_file()
+
+
 @pytest.mark.parametrize("rope, scaled", [
     ({}, False),
     ({"rope_scaling": None}, False),

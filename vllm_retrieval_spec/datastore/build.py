@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_retrieval_spec.atomic import report_abandoned
 from vllm_retrieval_spec.datastore.corpus import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EXTENSIONS,
@@ -213,8 +214,8 @@ def build_dense_index(
     hidden state), so build and serve share kernels and numerics. Documents longer than
     ``window`` tokens are cut into windows that overlap by ``overlap`` tokens; each window
     contributes only the states of its new tokens, which see at least ``overlap`` tokens of
-    context. The raw states go to a temporary float32 file next to the datastore (4 x hidden
-    size bytes per token) and are deleted afterwards.
+    context. The raw states go to a temporary float32 file in the datastore's directory (4 x
+    hidden size bytes per token) and are deleted afterwards.
     """
     from vllm_retrieval_spec.datastore.dense import (
         DENSE_DIR, check_dense_replaceable, dtype_name, write_dense_index)
@@ -225,6 +226,8 @@ def build_dense_index(
     check_dense_options(model, dims=dims, window=window, overlap=overlap)
     datastore = load_datastore(datastore_path)
     check_dense_replaceable(Path(datastore_path) / DENSE_DIR, overwrite)
+    # The states file is named as atomic_path names its temporaries: a killed build's is named.
+    report_abandoned(Path(datastore_path) / f"{DENSE_DIR}.states")
     fingerprint = model_fingerprint(model)
     windows, positions = _dense_windows(np.asarray(datastore.tokens), window, overlap)
     if not len(positions):
@@ -234,7 +237,7 @@ def build_dense_index(
     depth = llm.llm_engine.model_config.hf_text_config.num_hidden_layers
     # What the forward passes really ran in: serving compares its own resolved dtype with it.
     resolved_dtype = dtype_name(llm.llm_engine.model_config.dtype)
-    states_file = Path(datastore_path) / f"{DENSE_DIR}.states-{os.getpid()}.npy"
+    states_file = Path(datastore_path) / f"{DENSE_DIR}.states.tmp-{os.getpid()}"
     try:
         states = np.lib.format.open_memmap(states_file, mode="w+", dtype=np.float32,
                                            shape=(len(positions), hidden_size))

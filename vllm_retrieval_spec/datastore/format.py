@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from vllm_retrieval_spec.atomic import atomic_path
+from vllm_retrieval_spec.atomic import atomic_path, report_abandoned
 
 FORMAT_VERSION = 1
 #: Follows every document in the token stream; below every token id, so no match spans it.
@@ -404,6 +404,7 @@ def atomic_datastore_dir(output: str | Path, *, overwrite: bool = False,
     check_replaceable(output, overwrite)
     # The parent first: atomic_path cannot even clear its temporary name under a file.
     make_output_dir(output.parent, output)
+    report_abandoned(output)
     with atomic_path(output) as tmp:
         make_output_dir(tmp, output, mode=0o700 if private else 0o777)
         yield tmp

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_retrieval_spec.atomic import atomic_path
+from vllm_retrieval_spec.atomic import atomic_path, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -560,16 +560,6 @@ class CompactionLock:
                 self.path.unlink()
         except FileNotFoundError:
             pass
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def stale_temporary(name: str, age_s: float, host: str) -> bool:
