@@ -559,3 +559,17 @@ def test_verify_cost_results_name_the_model_measured(monkeypatch, tmp_path):
     verify_cost.main(["--model", str(model), "--run-name", "vc", "--output-dir", str(tmp_path)])
     assert measured == [str(model)]
     assert json.loads((tmp_path / "vc.json").read_text())["model"] == str(model)
+
+
+def test_a_multi_line_error_keeps_its_row_of_the_markdown_table():
+    """vLLM's config errors are pydantic's, several lines long: before, the message's newline
+    ended the row mid-cell and its '|' added a column, so the table broke from there on."""
+    from vllm_retrieval_spec.bench.results import format_table
+
+    error = "ValidationError: 1 validation error for SpeculativeConfig\n  Value error, a | b"
+    rows = [{"task": "a", "method": "plain", "datastore": None, "speedup": 1.0},
+            {"task": "a", "method": "rest", "datastore": "ds", "error": error}]
+    lines = format_table(rows).split("\n")
+    assert len(lines) == 4
+    assert lines[3] == ("| a | rest | ds |" + "  |" * 11 + " ValidationError: 1 validation "
+                        "error for SpeculativeConfig   Value error, a \\| b |")

@@ -42,9 +42,15 @@ def markdown_table(columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -
     """Lines of a markdown table: ``columns`` are (heading, row key); None shows as empty."""
     lines = ["| " + " | ".join(heading for heading, _ in columns) + " |",
              "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join("" if row.get(key) is None else str(row[key])
+    lines += ["| " + " | ".join("" if row.get(key) is None else _cell(row[key])
                                 for _, key in columns) + " |" for row in rows]
     return lines
+
+
+def _cell(value: Any) -> str:
+    # A newline would end the row mid-cell and a '|' add a column (a failed row's error, say
+    # pydantic's multi-line ValidationError from vLLM's config), breaking the rest of the table.
+    return str(value).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def write_report(results: dict[str, Any], output_dir: str | Path,
