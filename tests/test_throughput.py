@@ -573,3 +573,26 @@ def test_a_multi_line_error_keeps_its_row_of_the_markdown_table():
     assert len(lines) == 4
     assert lines[3] == ("| a | rest | ds |" + "  |" * 11 + " ValidationError: 1 validation "
                         "error for SpeculativeConfig   Value error, a \\| b |")
+
+
+def test_the_plot_names_each_row_as_methods_spells_it():
+    """Before: the datastore went after the variant or name ('rest/tree:stdlib'), a spelling
+    --methods refuses, where the run's label is 'rest:stdlib/tree'."""
+    from vllm_retrieval_spec.bench.results import write_plot
+    from vllm_retrieval_spec.bench.throughput import MethodRun
+
+    runs = [MethodRun("rest", datastore="stdlib", variant="tree"),
+            MethodRun("hybrid", datastore="own", name="restarted"),
+            MethodRun("hybrid", datastore="own", variant="tree", name="b"),
+            MethodRun("pld", variant="unpadded")]
+    rows = [{"task": "chat", "method": "plain", "datastore": None, "speedup": 1.0,
+             "tokens_per_forward": 1.0, "outputs_equal_plain": True}]
+    rows += [{"task": "chat", "method": results_method, "datastore": run.datastore,
+              "speedup": 1.5, "tokens_per_forward": 2.0, "outputs_equal_plain": True}
+             for run, results_method in zip(runs, ("rest/tree", "hybrid@restarted",
+                                                   "hybrid/tree@b", "pld/unpadded"))]
+    figure = write_plot({"run": "r", "model": "m", "machine": "cpu", "vllm": "0.32.0",
+                         "rows": rows}, "/dev/null")
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == [
+        "rest:stdlib/tree", "hybrid:own@restarted", "hybrid:own/tree@b", "pld/unpadded"]
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == [r.label for r in runs]

@@ -231,7 +231,11 @@ def write_plot(results: dict[str, Any], path: Path) -> Figure:
 
 
 def _label(row: dict[str, Any]) -> str:
-    return method_label(row["method"], row.get("datastore"))
+    # A row's method carries its variant and name (``rest/tree``, ``hybrid@b``); the datastore
+    # goes before them, as in ``MethodRun.label`` (``rest:stdlib/tree``).
+    method = row["method"]
+    base = len(method.split("/")[0].split("@")[0])
+    return method_label(method[:base], row.get("datastore")) + method[base:]
 
 
 def method_label(method: str, datastore: str | None) -> str:
