@@ -223,6 +223,37 @@ def test_prometheus_series_count_lookups_and_forwards(datastore):
         "output_tokens_total": 4}
 
 
+def test_prometheus_series_count_a_tensor_parallel_engines_steps_once(datastore):
+    """Every rank drafts the same drafts for the same requests, and ``/metrics`` sums the
+    series of every process: before, an engine of 2 ranks counted every lookup, forward,
+    token, failed draft and drafting time twice. The first rank counts (vLLM's output rank)."""
+    from prometheus_client import REGISTRY
+
+    series = {"lookups_total": {}, "target_forwards_total": {}, "output_tokens_total": {},
+              "drafting_seconds_count": {}, "failed_drafts_total": {"kind": "exception"}}
+
+    def values():
+        return {name: REGISTRY.get_sample_value(f"vllm_rsd:{name}",
+                                                {"method": "rest", **labels}) or 0
+                for name, labels in series.items()}
+
+    counted = {}
+    for rank in (0, 1):
+        config = vllm_config({"method": "rest", "num_speculative_tokens": 4,
+                              "datastore": datastore, "min_prefix_prob": 0.0,
+                              "prior_weight": 0.0})
+        config.parallel_config = SimpleNamespace(world_size=2, rank=rank, tensor_parallel_size=2)
+        before = values()
+        proposer = RetrievalProposer(config)
+        tokens, lengths = batch([1, 2, 3])
+        proposer.propose([[3]], lengths, tokens)
+        proposer.after_handover()
+        proposer.observe_drafting_time(0.001, 0.002)
+        proposer.report_failure("exception", "raised in a test")
+        counted[rank] = {name: value - before[name] for name, value in values().items()}
+    assert counted == {0: dict.fromkeys(series, 1), 1: dict.fromkeys(series, 0)}
+
+
 
 @pytest.mark.parametrize("ahead", ["none", "precompute", "before_sampling"])
 def test_a_request_without_room_to_draft_makes_no_lookup(ahead):

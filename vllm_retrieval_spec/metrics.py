@@ -85,21 +85,27 @@ class MethodMetrics:
     writes them to files that vLLM's ``/metrics`` endpoint collects from every process; without
     it they stay in this process's default registry. Tokens per target forward is
     ``output_tokens_total / target_forwards_total``.
+
+    ``counted`` False (``counts_metrics``): a worker whose steps another worker counts, every
+    series a no-op.
     """
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, counted: bool = True) -> None:
         metrics = _prometheus_metrics()
-        self.drafting_seconds = metrics["drafting_seconds"].labels(method)
-        self.drafting_critical_seconds = metrics["drafting_critical_seconds"].labels(method)
-        self.lookups = metrics["lookups"].labels(method)
-        self.empty_lookups = metrics["empty_lookups"].labels(method)
-        self.output_tokens = metrics["output_tokens"].labels(method)
-        self.target_forwards = metrics["target_forwards"].labels(method)
-        self._failed_drafts = metrics["failed_drafts"]
-        self._method = method
+
+        def series(name: str, *labels: str) -> object:
+            return metrics[name].labels(method, *labels) if counted else _UNCOUNTED
+
+        self.drafting_seconds = series("drafting_seconds")
+        self.drafting_critical_seconds = series("drafting_critical_seconds")
+        self.lookups = series("lookups")
+        self.empty_lookups = series("empty_lookups")
+        self.output_tokens = series("output_tokens")
+        self.target_forwards = series("target_forwards")
+        self._series = series
 
     def failed_draft(self, kind: str) -> None:
-        self._failed_drafts.labels(self._method, kind).inc()
+        self._series("failed_drafts", kind).inc()
 
     def publish(self, counts: dict[str, int]) -> None:
         """Add ``counts`` (of ``target_forwards``, ``output_tokens``, ``lookups``,
@@ -109,6 +115,25 @@ class MethodMetrics:
                 getattr(self, name).inc(count)
                 counts[name] = 0
 
+
+def counts_metrics(parallel: object) -> bool:
+    """Whether this worker's drafter counts the engine's steps: every tensor-parallel rank
+    drafts the same drafts for the same requests, and ``/metrics`` sums the series of every
+    process, so only the first rank of the stage that drafts does (vLLM's output rank)."""
+    ranks = (getattr(parallel, "tensor_parallel_size", 1)
+             * getattr(parallel, "prefill_context_parallel_size", 1))
+    return getattr(parallel, "rank", 0) % ranks == 0
+
+
+class _Uncounted:
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+_UNCOUNTED = _Uncounted()
 
 _metrics: dict[str, object] = {}
 

@@ -30,7 +30,7 @@ from vllm_retrieval_spec.drafting.overlap import (
     NextDrafts, ReadyDraft, last_state_rows, rank_followers)
 from vllm_retrieval_spec.drafting.step_cost import pad_to
 from vllm_retrieval_spec.drafting.tree import TreeDraft
-from vllm_retrieval_spec.metrics import MethodMetrics
+from vllm_retrieval_spec.metrics import MethodMetrics, counts_metrics
 
 
 @dataclass
@@ -74,7 +74,7 @@ class RetrievalProposer(Drafter):
         drafting = self.config.drafting
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.metrics = MethodMetrics(self.config.method)
+        self.metrics = MethodMetrics(self.config.method, counts_metrics(parallel))
         self.failures = DraftFailures(self.config.method, self.metrics)
         self.method = method or importlib.import_module(self.config.module).make_drafter(
             self.config, vllm_config, self.failures.record)
