@@ -838,6 +838,21 @@ def test_dense_drafts_made_before_sampling_equal_drafting_after_it(clustered_sto
     assert sum(map(len, runs[True])) > 20, "the text must draft for this test to mean anything"
 
 
+def test_dresd_proposer_survives_states_it_cannot_project(clustered_store):
+    """A row without neighbours (its state could not be projected) drafts nothing: the step
+    counts one failure, the projection's, not one more per row for a ballot no source filled."""
+    path, _ = clustered_store
+    proposer = dresd_proposer(path, draft_budget_ms=0)
+    tokens = proposer.method.index.tokens
+    token_ids = np.zeros((2, 16), dtype=np.int32)
+    token_ids[0, :12] = tokens[90:102]
+    token_ids[1, :12] = tokens[3990:4002]
+    # States of the wrong width: the projection raises.
+    proposer.record_last_hidden_states(torch.zeros(2, 3), [0, 1])
+    assert proposer.propose([[5], [6]], np.array([12, 12]), token_ids) == [[], []]
+    assert proposer.failures.counts == {"exception": 1}
+
+
 def test_dresd_search_over_budget_costs_the_draft(clustered_store, monkeypatch):
     path, states = clustered_store
     proposer = dresd_proposer(path, draft_budget_ms=10.0)

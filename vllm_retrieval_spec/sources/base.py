@@ -39,6 +39,10 @@ class Ballot:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(candidates int32 [m, max_len] padded with -1, lengths [m], weights float64 [m]),
         sources in the order they voted."""
+        if not self.candidates:
+            # No source voted (a dense source without a query): no candidates, no draft.
+            return (np.empty((0, max(self.max_len, 0)), dtype=np.int32),
+                    np.empty(0, dtype=np.int32), np.empty(0, dtype=np.float64))
         return (np.concatenate(self.candidates), np.concatenate(self.lengths),
                 np.concatenate(self.weights))
 
