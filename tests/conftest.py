@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import E2E_PROMPTS, generate_ids, greedy, make_llm, shutdown, vllm_patches_undone
+from helpers import (E2E_PROMPTS, K, MAX_MODEL_LEN, generate_ids, greedy, make_llm, shutdown,
+                     vllm_patches_undone)
 
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -78,13 +79,29 @@ def code_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def plain_outputs(model_dir, code_prompts) -> list[list[int]]:
-    """Plain greedy decoding, one request at a time; the engine is gone before others start."""
+def near_limit_prompts(code_prompts) -> list[list[int]]:
+    """A prompt K - 2 tokens short of max_model_len (code prompts end to end) and a code prompt:
+    while the first runs, vLLM would call no drafter for the batch."""
+    tokens = [t for prompt in code_prompts for t in prompt]
+    long = (tokens * (MAX_MODEL_LEN // len(tokens) + 1))[:MAX_MODEL_LEN - K + 2]
+    return [long, code_prompts[1]]
+
+
+@pytest.fixture(scope="session")
+def plain_runs(model_dir, code_prompts, near_limit_prompts) -> dict[str, list[list[int]]]:
+    """Plain greedy decoding of the code prompts one request at a time ("code") and of
+    ``near_limit_prompts`` together; the engine is gone before others start."""
     llm = make_llm(model_dir, None)
     try:
-        return [generate_ids(llm, [p], greedy())[0] for p in code_prompts]
+        return {"code": [generate_ids(llm, [p], greedy())[0] for p in code_prompts],
+                "near_limit": generate_ids(llm, near_limit_prompts, greedy())}
     finally:
         shutdown(llm)
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(plain_runs) -> list[list[int]]:
+    return plain_runs["code"]
 
 
 @pytest.fixture

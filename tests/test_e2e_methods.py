@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from helpers import (E2E_MAX_TOKENS, K, generate_ids, greedy, make_llm, openai_server,
-                     prometheus_samples, shutdown, spec_counters)
+from helpers import (E2E_MAX_TOKENS, K, MAX_MODEL_LEN, generate_ids, greedy, make_llm,
+                     openai_server, prometheus_samples, shutdown, spec_counters)
 
 pytestmark = pytest.mark.e2e
 
@@ -118,6 +118,38 @@ def test_drafting_time_is_recorded_for_every_step(spec_llm, code_prompts):
     # One request: one drafting call per forward, its prefill's included.
     assert stats["steps"] == forwards.count
     assert 0 < stats["p50_ms"] <= stats["p99_ms"]
+
+
+def test_near_max_model_len_every_step_drafts_and_greedy_equals_plain(spec_llm,
+                                                                     near_limit_prompts,
+                                                                     plain_runs):
+    """While one request is within k tokens of max_model_len, vLLM calls no drafter for the
+    batch; ours drafts in every step (each draft capped by its request's room), losslessly.
+    Before, PLD+ missed those steps' states and drafted nothing more for the other request."""
+    def count_decisions(worker):
+        # Every step vLLM decides here whether to call the drafter.
+        runner = worker.model_runner
+        decide, runner.decisions = runner._input_fits_in_drafter, 0
+
+        def counted(metadata):
+            runner.decisions += 1
+            return decide(metadata)
+
+        runner._input_fits_in_drafter = counted
+
+    def take_decisions(worker):
+        del worker.model_runner._input_fits_in_drafter  # the class's again
+        return worker.model_runner.decisions
+
+    spec_llm.collective_rpc(count_decisions)
+    spec_llm.collective_rpc("rsd_drafting_stats", kwargs={"reset": True})
+    before = spec_counters(spec_llm)
+    outputs = generate_ids(spec_llm, near_limit_prompts, greedy())
+    (decisions,) = spec_llm.collective_rpc(take_decisions)
+    assert outputs == plain_runs["near_limit"]
+    assert len(near_limit_prompts[0]) + len(outputs[0]) == MAX_MODEL_LEN  # stopped by the limit
+    assert spec_llm.collective_rpc("rsd_drafting_stats")[0]["steps"] == decisions > 0
+    assert spec_counters(spec_llm)["drafts"] > before["drafts"]
 
 
 @pytest.mark.parametrize("spec_llm", ["dresd"], indirect=True)

@@ -368,6 +368,23 @@ def test_finished_requests_are_told_with_their_tokens_in_the_batch():
     assert seen == [({"a", "gone"}, {"a": [1, 2, 3]})]
 
 
+def test_our_drafter_drafts_in_steps_near_max_model_len():
+    """vLLM skips the drafter for the whole batch while any request is within k tokens of
+    max_model_len; PLD+ then missed the step's states and drafted nothing for good. Ours is
+    called (it caps each draft by its request's room); vLLM's own drafters are left as vLLM
+    decides, and so is a step without attention metadata."""
+    from unittest import mock
+
+    from vllm_retrieval_spec.contract import Drafter
+    from vllm_retrieval_spec.patches.drafter import drafting_near_the_length_limit
+
+    fits = drafting_near_the_length_limit(lambda runner, metadata: False)
+    ours = SimpleNamespace(drafter=mock.create_autospec(Drafter, instance=True))
+    assert fits(ours, SimpleNamespace(max_seq_len=2047)) is True
+    assert fits(ours, None) is False
+    assert fits(SimpleNamespace(drafter=object()), SimpleNamespace(max_seq_len=2047)) is False
+
+
 def test_storing_the_requests_the_last_step_finished_is_drafting_the_step_waits_for():
     """``observe_finished`` runs as the step starts, before its forward, on every device: hybrid
     stores the finished requests there (and settles the last step's bookkeeping first, which on

@@ -461,8 +461,8 @@ def test_hybrid_stores_a_preempted_request_once_whole_when_vllm_finishes_it(serv
 
 
 def test_hybrid_stores_the_tokens_of_steps_vllm_drafted_nothing_for():
-    """vLLM calls no ``propose`` for the whole batch while a request is within k tokens of
-    max_model_len (``_input_fits_in_drafter``); its runner still writes the steps' tokens to its
+    """vLLM may call no ``propose`` for a step (``_input_fits_in_drafter``: within k tokens of
+    max_model_len, before our patch of it); its runner still writes the steps' tokens to its
     batch. A request that finished then is stored with them: its tokens in vLLM's batch, handed
     to ``observe_finished``."""
     from vllm_retrieval_spec.proposers.base import RetrievalProposer

@@ -86,6 +86,8 @@ PATCHES = (
           trees.with_tree_acceptance),
     Patch(f"{_RUNNER}._sample", ("self", "logits", "spec_decode_metadata"),
           drafter.with_drafts_before_sampling),
+    Patch(f"{_RUNNER}._input_fits_in_drafter", ("self", "common_attn_metadata"),
+          drafter.drafting_near_the_length_limit),
     Patch(f"{_RUNNER}.propose_draft_token_ids",
           ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
            "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",

@@ -50,7 +50,8 @@ class DraftAhead:
     def begin_batch(self, req_ids: list[str]) -> None:
         """Each row's precomputed drafts, found before sampling (the lookup after it is then
         all that is left); those of requests that left the batch are dropped. Every step: one
-        vLLM called no ``propose`` for (a request near max_model_len) still drafted before
+        vLLM called no ``propose`` for (a step without attention metadata; near max_model_len
+        too, before ``patches.drafter.drafting_near_the_length_limit``) still drafted before
         sampling, and those drafts, for its rows, must not pass for this step's."""
         self.row_ahead = [self.next_drafts.get(r) for r in req_ids] if self.next_drafts else []
         self.next_drafts = {}

@@ -133,6 +133,23 @@ def _wait_for_forward(device: Any) -> int:
     return time.perf_counter_ns() - start
 
 
+def drafting_near_the_length_limit(input_fits_in_drafter: Callable) -> Callable:
+    """vLLM calls no drafter in a step where any request of the batch is within k tokens of
+    max_model_len (a draft model's positions could not hold its draft), and so no request of
+    the batch drafts. Ours runs no model and caps each draft by its own request's room
+    (``DraftLengths``); and PLD+ must see every step's states, or the request's cache stays
+    incomplete and it drafts nothing for the rest of its life (``HiddenStateCache``). So with
+    our drafter every step drafts."""
+
+    @functools.wraps(input_fits_in_drafter)
+    def wrapper(self, common_attn_metadata):
+        if common_attn_metadata is not None and drafter_of(self) is not None:
+            return True
+        return input_fits_in_drafter(self, common_attn_metadata)
+
+    return wrapper
+
+
 def timed_with_hidden_states(propose_draft_token_ids: Callable) -> Callable:
     @functools.wraps(propose_draft_token_ids)
     def wrapper(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
