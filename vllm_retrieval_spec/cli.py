@@ -203,13 +203,13 @@ def inspect_command(args: argparse.Namespace) -> None:
     from vllm_retrieval_spec.datastore.format import load_datastore
 
     datastore = load_datastore(args.datastore, verify_checksums=args.verify)
-    names = sorted(datastore.manifest.files)
-    if (Path(args.datastore) / "dense").is_dir():
-        from vllm_retrieval_spec.datastore.dense import (
-            DENSE_DIR, SCANN_DIR, check_dense_files, check_searcher, load_dense_manifest)
+    from vllm_retrieval_spec.datastore.dense import (
+        DENSE_DIR, SCANN_DIR, check_dense_files, check_searcher, load_dense_manifest)
 
+    names = sorted(datastore.manifest.files)
+    dense_path = Path(args.datastore) / DENSE_DIR
+    if dense_path.is_dir():
         # The dense index's files are in its own manifest: checked (and verified) too.
-        dense_path = Path(args.datastore) / DENSE_DIR
         dense = load_dense_manifest(dense_path, datastore)
         check_dense_files(dense_path, dense, verify_checksums=args.verify)
         check_searcher(dense_path, dense, "auto", verify_checksums=args.verify)

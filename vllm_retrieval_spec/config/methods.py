@@ -316,8 +316,8 @@ class HybridConfig(MethodConfig):
                         f"speculative_config[{f.name!r}] needs a 'served_datastore': without "
                         "one the served store is in memory only, where requests stay until "
                         "evicted")
-        if served == "shared" and self.served.served_max_keys != _default(ServedOptions,
-                                                                          "served_max_keys"):
+        # A dataclass keeps each field's default as its class attribute.
+        if served == "shared" and self.served.served_max_keys != ServedOptions.served_max_keys:
             # It bounds the number of per_request stores; the shared one would ignore it.
             raise ConfigError(
                 "speculative_config['served_max_keys'] needs served_store 'per_request': with "
@@ -329,18 +329,13 @@ class HybridConfig(MethodConfig):
                     raise ConfigError(
                         f"speculative_config[{f.name!r}] needs 'served_dense': true: without "
                         "it no served hidden states are stored")
-        if self.trie.tree != "on" and self.tree_branch_weight != _default(
-                HybridConfig, "tree_branch_weight"):
+        if self.trie.tree != "on" and self.tree_branch_weight != HybridConfig.tree_branch_weight:
             # Chains have no branches: the weight would be silently ignored.
             raise ConfigError("speculative_config['tree_branch_weight'] needs 'tree': 'on': a "
                               "chain has no branches")
         if self.dense.dense == "on" and not self.store.datastore:
             raise ConfigError("speculative_config['dense']='on' needs a 'datastore' with a "
                               "dense index")
-
-
-def _default(cls: type, name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 #: Hybrid's options of a served store's directory (``served_datastore``).

@@ -97,8 +97,8 @@ class DenseIndex:
 
     def __init__(self, path: Path, manifest: DenseManifest, datastore: Datastore,
                  search: str = "auto") -> None:
-        if search not in DENSE_SEARCH_BACKENDS:
-            raise DatastoreError(f"dense search {search!r} is not one of {DENSE_SEARCH_BACKENDS}")
+        # Sizes only: the start-up check (``check_dense_index``) verified the checksums.
+        search = check_searcher(path, manifest, search, verify_checksums=False)
         self.path = path
         self.manifest = manifest
         self.datastore = datastore
@@ -109,8 +109,6 @@ class DenseIndex:
             mean=np.load(path / MEAN_FILE), inv_std=np.load(path / INV_STD_FILE),
             components=np.load(path / COMPONENTS_FILE),
             explained_variance=manifest.explained_variance)
-        # Sizes only: the start-up check (``check_dense_index``) verified the checksums.
-        search = check_searcher(path, manifest, search, verify_checksums=False)
         if search == "scann":
             self.searcher: ExactSearcher | ScannSearcher = ScannSearcher(path / SCANN_DIR)
         else:
@@ -215,15 +213,9 @@ def check_searcher(path: Path, manifest: DenseManifest, search: str, *,
             f"{directory} has no ScaNN searcher ({SCANN_ASSETS} is missing), "
             f"which the manifest records; use search 'exact' or {DENSE_REBUILD_HINT}")
     for name, entry in (manifest.scann_files or {}).items():
-        file = directory / name
-        if not file.is_file():
-            raise DatastoreError(f"{file} is missing; {DENSE_REBUILD_HINT}")
-        if file.stat().st_size != entry["bytes"]:
-            raise DatastoreError(
-                f"{file} has {file.stat().st_size} bytes, the manifest records "
-                f"{entry['bytes']}; {DENSE_REBUILD_HINT}")
-        if verify_checksums and file_sha256(file) != entry["sha256"]:
-            raise DatastoreError(f"{file} is corrupt (sha256 differs); {DENSE_REBUILD_HINT}")
+        _check_recorded_size(directory / name, entry)
+        if verify_checksums:
+            _check_checksum(directory / name, entry)
     return search
 
 
@@ -278,12 +270,7 @@ def check_dense_files(path: Path, manifest: DenseManifest, *, verify_checksums: 
     for name, (dtype, shape) in expected.items():
         file = path / name
         entry = manifest.files.get(name)
-        if entry is None or not file.is_file():
-            raise DatastoreError(f"{file} is missing; {DENSE_REBUILD_HINT}")
-        if file.stat().st_size != entry["bytes"]:
-            raise DatastoreError(
-                f"{file} has {file.stat().st_size} bytes, the manifest records "
-                f"{entry['bytes']}; {DENSE_REBUILD_HINT}")
+        _check_recorded_size(file, entry)
         try:
             file_dtype, file_shape = read_npy_header(file)
         except ValueError as e:
@@ -298,8 +285,23 @@ def check_dense_files(path: Path, manifest: DenseManifest, *, verify_checksums: 
                 f"{file} holds {dtype_text(file_dtype)} {list(file_shape)}, expected {dtype} "
                 f"{shape}; "
                 f"{DENSE_REBUILD_HINT}")
-        if verify_checksums and file_sha256(file) != entry["sha256"]:
-            raise DatastoreError(f"{file} is corrupt (sha256 differs); {DENSE_REBUILD_HINT}")
+        if verify_checksums:
+            _check_checksum(file, entry)
+
+
+def _check_recorded_size(file: Path, entry: dict[str, Any] | None) -> None:
+    """``file`` is there, of the size its manifest ``entry`` records."""
+    if entry is None or not file.is_file():
+        raise DatastoreError(f"{file} is missing; {DENSE_REBUILD_HINT}")
+    if file.stat().st_size != entry["bytes"]:
+        raise DatastoreError(
+            f"{file} has {file.stat().st_size} bytes, the manifest records "
+            f"{entry['bytes']}; {DENSE_REBUILD_HINT}")
+
+
+def _check_checksum(file: Path, entry: dict[str, Any]) -> None:
+    if file_sha256(file) != entry["sha256"]:
+        raise DatastoreError(f"{file} is corrupt (sha256 differs); {DENSE_REBUILD_HINT}")
 
 
 def check_dense_replaceable(path: Path, overwrite: bool) -> None:
