@@ -238,6 +238,18 @@ def prometheus_samples(text: str) -> dict[str, float]:
     }
 
 
+def assert_drafting_series(metrics: dict[str, float], method: str) -> None:
+    """Our series, made in the worker process, reached the server's ``/metrics`` beside vLLM's
+    own, and say drafts were accepted (more output tokens than target forwards)."""
+    label = f'{{method="{method}"}}'
+    assert metrics[f"vllm_rsd:lookups_total{label}"] > 0
+    assert metrics[f"vllm_rsd:target_forwards_total{label}"] > 0
+    assert (metrics[f"vllm_rsd:output_tokens_total{label}"]
+            > metrics[f"vllm_rsd:target_forwards_total{label}"])
+    assert metrics[f"vllm_rsd:drafting_seconds_count{label}"] > 0
+    assert any(name.startswith("vllm:spec_decode_num_drafts_total") for name in metrics)
+
+
 # --- The plugin's patches of vLLM ----------------------------------------------------------------
 
 _ABSENT = object()

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import E2E_MAX_TOKENS, K, openai_server, prometheus_samples, server_healthy
+from helpers import (E2E_MAX_TOKENS, K, assert_drafting_series, openai_server, prometheus_samples,
+                     server_healthy)
 
 pytestmark = pytest.mark.e2e
 
@@ -67,8 +68,7 @@ def test_burst_of_concurrent_requests(inject_faults, model_dir, code_datastore, 
         assert text == tokenizer.decode(plain_outputs[0], skip_special_tokens=True)
         with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
             metrics = prometheus_samples(r.read().decode())
-    label = '{method="rest"}'
-    assert metrics[f"vllm_rsd:lookups_total{label}"] > 0
+    assert_drafting_series(metrics, "rest")
     failed = {kind: metrics.get(f'vllm_rsd:failed_drafts_total{{kind="{kind}",method="rest"}}',
                                 0.0) for kind in FAULT_KINDS}
     if inject_faults:

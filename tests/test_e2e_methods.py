@@ -7,8 +7,9 @@ import urllib.request
 
 import pytest
 
-from helpers import (E2E_MAX_TOKENS, K, MAX_MODEL_LEN, generate_ids, greedy, make_llm,
-                     openai_server, prometheus_samples, shutdown, spec_counters)
+from helpers import (E2E_MAX_TOKENS, K, MAX_MODEL_LEN, assert_drafting_series, generate_ids,
+                     greedy, make_llm, openai_server, prometheus_samples, shutdown,
+                     spec_counters)
 
 pytestmark = pytest.mark.e2e
 
@@ -221,13 +222,12 @@ def test_pld_plus_states_equal_a_transformers_forward(spec_llm, model_dir, code_
     assert abs(states - expected).max() < 1e-3
 
 
-@pytest.mark.parametrize("method", ["rest", "pld_plus", "dresd", "hybrid/tree"])
+# rest is served in tests/test_e2e_load.py.
+@pytest.mark.parametrize("method", ["pld_plus", "dresd", "hybrid/tree"])
 def test_openai_server(request, method, model_dir, code_prompts, plain_outputs, tokenizer,
                        tmp_path):
     method, _, variant = method.partition("/")
     spec = {"method": method, "num_speculative_tokens": K, **({"tree": "on"} if variant else {})}
-    if method == "rest":
-        spec["datastore"] = request.getfixturevalue("code_datastore")
     speculative_args = ["--speculative-config", json.dumps(spec)]
     if method == "dresd":
         # Our CLI's spelling, which vLLM 0.32 lacks.
@@ -244,11 +244,4 @@ def test_openai_server(request, method, model_dir, code_prompts, plain_outputs, 
             assert text == tokenizer.decode(expected, skip_special_tokens=True)
         with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
             metrics = prometheus_samples(r.read().decode())
-        # Our series, made in the worker process, reach vLLM's /metrics beside vLLM's own.
-        label = f'{{method="{method}"}}'
-        assert metrics[f"vllm_rsd:lookups_total{label}"] > 0
-        assert metrics[f"vllm_rsd:target_forwards_total{label}"] > 0
-        assert (metrics[f"vllm_rsd:output_tokens_total{label}"]
-                > metrics[f"vllm_rsd:target_forwards_total{label}"])  # drafts were accepted
-        assert metrics[f"vllm_rsd:drafting_seconds_count{label}"] > 0
-        assert any(name.startswith("vllm:spec_decode_num_drafts_total") for name in metrics)
+        assert_drafting_series(metrics, method)
