@@ -39,6 +39,7 @@ import datetime
 import functools
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -1399,6 +1400,9 @@ def main(argv: list[str] | None = None) -> int:
         model, shape, batch = args.extract
         log(f"wrote {extract(args.results, model, shape, int(batch), args.context, args.out)}")
         return 0
+    hidden = hidden_kernels_package()
+    if hidden:
+        parser.error(hidden)
     if args.tiny:
         # Before anything imports Triton (transformers does): it reads this once.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -1410,6 +1414,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out PATH, or $OUT set")
     return run_all(TINY_PLAN if args.tiny else GPU_PLAN, out, args.time_limit, argv,
                    args.sections)
+
+
+def hidden_kernels_package() -> str | None:
+    """Why transformers would fail to import here, or None.
+
+    transformers imports Hugging Face's ``kernels`` whenever that distribution is installed (5.25
+    depends on it). With this repository's root on the path, the repository's top-level
+    ``kernels/`` is found in its place, and the model sections fail after the kernel sections
+    have spent minutes of device time."""
+    try:
+        installed = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or spec.origin is None:
+        return None
+    found = Path(spec.origin).resolve()
+    if found == Path(installed.locate_file("kernels/__init__.py")).resolve():
+        return None
+    return (f"{found.parent} hides Hugging Face's kernels {installed.version}, which transformers "
+            "imports: put the package on the path without the repository's root "
+            "(benchmarks/README.md, \"The GPU check\")")
 
 
 SECTIONS = ("kernels", "paged_kernel", "stream_safety", "step_cost", "tree_profile")

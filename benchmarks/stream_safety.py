@@ -21,8 +21,11 @@ Without the package installed (the lent GPU machine), ``kernels/`` must be impor
 ``vllm_retrieval_spec.kernels`` beside the rest of the package:
 
     repo=$PWD && mkdir -p /tmp/pkg && cp -r vllm_retrieval_spec /tmp/pkg/
-    ln -s "$repo/kernels" /tmp/pkg/vllm_retrieval_spec/kernels
-    cd /tmp && PYTHONPATH=/tmp/pkg:$repo python3 -m benchmarks.stream_safety --device cuda
+    ln -s "$repo/kernels" /tmp/pkg/vllm_retrieval_spec/kernels && ln -s "$repo/benchmarks" /tmp/pkg/
+    cd /tmp && PYTHONPATH=/tmp/pkg python3 -m benchmarks.stream_safety --device cuda
+
+(benchmarks/README.md, at ``benchmarks.kernel_timing``, says why the repository stays off the
+path.)
 """
 
 from __future__ import annotations

@@ -231,6 +231,42 @@ def test_tiny_run_writes_a_summary(tiny_run):
     assert "| n | chain 32 | tree 32 | chain 64 | tree 64 |" in summary
 
 
+class InstalledKernels:
+    """Hugging Face's ``kernels`` distribution, installed under ``site``."""
+
+    version = "0.19.1"
+
+    def __init__(self, site: Path):
+        self.site = site
+
+    def locate_file(self, path: str) -> Path:
+        return self.site / path
+
+
+def installed_kernels(monkeypatch, site: Path) -> None:
+    real = gpu_check.importlib.metadata.distribution
+    monkeypatch.setattr(gpu_check.importlib.metadata, "distribution",
+                        lambda name: InstalledKernels(site) if name == "kernels" else real(name))
+
+
+def test_the_repository_hiding_hugging_faces_kernels_is_refused_before_any_section(
+        monkeypatch, tmp_path, capsys):
+    # pytest puts the repository's root on the path, as the device command must not.
+    installed_kernels(monkeypatch, tmp_path / "site-packages")
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--tiny", "--out", str(tmp_path / "out" / "x.json")])
+    assert stop.value.code == 2
+    assert (f"{REPO_ROOT / 'kernels'} hides Hugging Face's kernels 0.19.1, which transformers "
+            "imports" in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_kernels_found_where_they_are_installed_or_not_installed_are_not_refused(monkeypatch):
+    assert gpu_check.hidden_kernels_package() is None
+    installed_kernels(monkeypatch, REPO_ROOT)
+    assert gpu_check.hidden_kernels_package() is None
+
+
 def test_full_run_needs_a_gpu(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path / "x.json")],
