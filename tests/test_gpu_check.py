@@ -243,10 +243,18 @@ class InstalledKernels:
         return self.site / path
 
 
-def installed_kernels(monkeypatch, site: Path) -> None:
+def installed_kernels(monkeypatch, site: Path | None) -> None:
+    """Hugging Face's ``kernels`` installed under ``site``, or not installed (None)."""
     real = gpu_check.importlib.metadata.distribution
-    monkeypatch.setattr(gpu_check.importlib.metadata, "distribution",
-                        lambda name: InstalledKernels(site) if name == "kernels" else real(name))
+
+    def distribution(name: str):
+        if name != "kernels":
+            return real(name)
+        if site is None:
+            raise gpu_check.importlib.metadata.PackageNotFoundError(name)
+        return InstalledKernels(site)
+
+    monkeypatch.setattr(gpu_check.importlib.metadata, "distribution", distribution)
 
 
 def test_the_repository_hiding_hugging_faces_kernels_is_refused_before_any_section(
@@ -262,6 +270,7 @@ def test_the_repository_hiding_hugging_faces_kernels_is_refused_before_any_secti
 
 
 def test_kernels_found_where_they_are_installed_or_not_installed_are_not_refused(monkeypatch):
+    installed_kernels(monkeypatch, None)
     assert gpu_check.hidden_kernels_package() is None
     installed_kernels(monkeypatch, REPO_ROOT)
     assert gpu_check.hidden_kernels_package() is None
