@@ -50,11 +50,15 @@ def test_served_store_learns_is_lossless_and_is_compacted_while_serving(
         stats = llm.collective_rpc("rsd_drafting_stats")[0]
         # Every request that left the batch is compacted into a snapshot, while the engine
         # runs.
-        snapshot, manifest = wait_for(
-            lambda: newest_snapshot(served, 2 * len(code_prompts) - 1),
-            "snapshot of every request that left the batch")
+        wait_for(lambda: newest_snapshot(served, 2 * len(code_prompts) - 1),
+                 "snapshot of every request that left the batch")
     finally:
         shutdown(llm)
+    # Read once the engine is down: while it ran, a newer snapshot could replace the one waited
+    # for and the retention sweep delete it.
+    newest = newest_snapshot(served, 2 * len(code_prompts) - 1)
+    assert newest is not None
+    snapshot, manifest = newest
     assert first == plain_outputs and second == plain_outputs
     # Every request was stored, prompt and output: the last one once vLLM's next step (an
     # empty one, racing this call) has said it finished.
@@ -126,9 +130,8 @@ def test_served_dense_store_indexes_generated_states_and_stays_lossless(
             return stats if stats["served_dense_keys"] >= keys else None
 
         stats = wait_for(indexed, "served dense key for every output token")
-        snapshot = wait_for(lambda: dense_snapshot(served, stats["served_dense_keys"]
-                                                   - 4 * E2E_MAX_TOKENS),
-                            "snapshot of the dense keys")
+        saved_keys = stats["served_dense_keys"] - 4 * E2E_MAX_TOKENS
+        wait_for(lambda: dense_snapshot(served, saved_keys), "snapshot of the dense keys")
     finally:
         shutdown(llm)
     assert first == plain_outputs and batched == plain_outputs[:4]
@@ -137,6 +140,10 @@ def test_served_dense_store_indexes_generated_states_and_stays_lossless(
     # of the first pass.
     assert stats["served_dense_hits"] > 0
     # A datastore with a dense index (loadable, and checked against the model at restart).
+    # Read once the engine is down: while it ran, a newer snapshot could replace the one waited
+    # for and the retention sweep delete it.
+    snapshot = dense_snapshot(served, saved_keys)
+    assert snapshot is not None
     assert load_datastore(snapshot).manifest.sources == ["served requests"]
 
     restarted = make_llm(model_dir, spec)
