@@ -1,6 +1,7 @@
 """vLLM's own drafting methods offline, behind the hooks ``benchmarks.replay`` calls, so that
 they replay beside ours from the same records: their own proposer classes over a stand-in input
-batch, not copies of them."""
+batch, not copies of them. Like vLLM, they draft past a request's max_tokens (replay's
+``token_limits`` go unused)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class SuffixPeer:
         self.req_ids: list[str] = []
         self.prompt_lens: dict[str, int] = {}
 
-    def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None) -> None:
+    def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None,
+                      token_limits: Any = None) -> None:
         self.req_ids = req_ids
         self.prompt_lens = {r: n for r, n in self.prompt_lens.items() if r in set(req_ids)}
 
@@ -94,7 +96,8 @@ class NgramPeer:
             parallel_config=SimpleNamespace(tensor_parallel_size=1)))
         self.trees: dict[str, Any] = {}  # no trees
 
-    def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None) -> None:
+    def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None,
+                      token_limits: Any = None) -> None:
         pass
 
     def observe_finished(self, req_ids: set[str], tokens: Any = None) -> None:

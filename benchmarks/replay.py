@@ -298,6 +298,13 @@ class Request:
         """Tokens before this step's sampled ones."""
         return len(self.record["prompt"]) + self.done
 
+    @property
+    def token_limit(self) -> int | None:
+        """The most tokens it could reach in the engine, prompt included: its prompt and the
+        run's max_tokens (None: not recorded before 2026-12-07)."""
+        max_tokens = self.record.get("max_tokens")
+        return None if max_tokens is None else len(self.record["prompt"]) + max_tokens
+
     def verify(self) -> tuple[list[int], int | None]:
         """What greedy verification of the last draft samples (within the recorded output),
         and a tree's last accepted node (-1: the root)."""
@@ -413,7 +420,8 @@ class Replay:
         # Every request is greedy, so each may get a tree; a task's requests share a store key.
         drafter.observe_batch(req_ids, [True] * len(batch) if caps.trees else None,
                               [r.record.get("task") for r in batch]
-                              if caps.served_store_keys else None)
+                              if caps.served_store_keys else None,
+                              [r.token_limit for r in batch])
         if caps.drafts_before_sampling:
             drafter.draft_before_sampling(sampled, [r.draft for r in batch], base, self.tokens)
         if aux is not None:

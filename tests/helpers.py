@@ -167,8 +167,10 @@ def generate_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
 
 
 def spec_counters(llm) -> dict[str, float]:
-    """vLLM's speculative-decoding counters so far: drafts and accepted draft tokens."""
+    """vLLM's speculative-decoding counters so far: drafts, their tokens, and accepted draft
+    tokens."""
     names = {"vllm:spec_decode_num_drafts": "drafts",
+             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted"}
     values = dict.fromkeys(names.values(), 0.0)
     for metric in llm.get_metrics():

@@ -54,11 +54,14 @@ def test_bench_on_a_prompts_file_beside_suffix(model_dir, tokenizer, tmp_path, c
         ("mine", "plain", 2), ("mine", "suffix", 2)]
     assert results["rows"][1]["outputs_equal_plain"]
     # The raw prompt is tokenised as it is, the chat rendered with the model's template.
-    recorded = [json.loads(line)["prompt"]
-                for line in (tmp_path / "mine.plain.jsonl").read_text().splitlines()]
-    assert recorded == [tokenizer("def fibonacci(n):")["input_ids"],
-                        tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False)]
+    records = [json.loads(line)
+               for line in (tmp_path / "mine.plain.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == [
+        tokenizer("def fibonacci(n):")["input_ids"],
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)]
+    # What replay caps our drafts by, as the engine did.
+    assert [r["max_tokens"] for r in records] == [16, 16]
     assert (tmp_path / "mine.png").read_bytes().startswith(PNG_SIGNATURE)
     assert "![speedup and tokens per forward](mine.png)" in (tmp_path / "mine.md").read_text()
 

@@ -156,6 +156,24 @@ def test_near_max_model_len_every_step_drafts_and_greedy_equals_plain(spec_llm,
     assert spec_counters(spec_llm)["drafts"] > before["drafts"]
 
 
+@pytest.mark.parametrize("spec_llm", ["pld", "hybrid/tree"], indirect=True)
+def test_no_draft_is_verified_past_max_tokens(spec_llm, code_prompts):
+    """Verifying a draft gives at most one token more than it holds, so a request that may
+    sample r more tokens is drafted at most r - 1 (vLLM's scheduler would verify whatever was
+    drafted and drop the tokens past max_tokens): with max_tokens 2, no draft after the
+    prefill's token; with 3, one of one token."""
+    # Two code prompts end to end, two and a half times: drafts from the first step on.
+    tokens = [t for prompt in code_prompts[:2] for t in prompt]
+    prompt = tokens * 2 + tokens[:len(tokens) // 2]
+    before = spec_counters(spec_llm)
+    generate_ids(spec_llm, [prompt], greedy(2))
+    assert spec_counters(spec_llm) == before
+    generate_ids(spec_llm, [prompt], greedy(3))
+    after = spec_counters(spec_llm)
+    assert after["drafts"] - before["drafts"] == after["draft_tokens"] - before["draft_tokens"] \
+        == 1
+
+
 @pytest.mark.parametrize("spec_llm", ["dresd"], indirect=True)
 def test_dresd_queries_with_the_right_hidden_state(spec_llm, code_prompts, plain_outputs):
     """Half the prompts have their own answers in the datastore. Queried with the state that

@@ -452,6 +452,42 @@ def test_a_draft_made_before_sampling_lasts_only_its_step():
     assert dict(proposer.ahead.precomputed) == {"used": 1}
 
 
+@pytest.mark.parametrize("ahead", ["after sampling", "precomputed", "before sampling"])
+def test_drafts_leave_room_for_the_bonus_token_within_max_tokens(ahead):
+    """Request "a" may reach 6 tokens (its max_tokens), "b" max_model_len: at 3 tokens, "a" is
+    drafted 2 (verified, they give at most 3 tokens), "b" k; one accepted and a bonus token
+    later, "a" (at 5) none, however its draft is made."""
+
+    class SevensAfterNines(Sevens):
+        def followers(self, row, context):
+            return np.array([9], dtype=np.int32), True
+
+    options = {"after sampling": {"precompute_drafts": False, "draft_before_sampling": False},
+               "precomputed": {"precompute_drafts": True, "draft_before_sampling": False},
+               "before sampling": {"precompute_drafts": False, "draft_before_sampling": True}}
+    proposer = RetrievalProposer(vllm_config({"method": "pld", "num_speculative_tokens": 3,
+                                              "min_draft_len": 1, "adaptive_draft_len": False,
+                                              **options[ahead]}, WIDTH), SevensAfterNines())
+    contexts = [[1, 2], [1, 2]]
+    sampled = [[3], [3]]
+    verified = [[], []]
+    expected = [[[7, 7], [7, 7, 7]], [[], [7, 7, 7]]]
+    for drafts in expected:
+        proposer.observe_batch(["a", "b"], None, None, [6, None])
+        if ahead == "before sampling":
+            tokens, lengths = batch(*contexts, width=WIDTH)
+            proposer.draft_before_sampling(sampled, verified, lengths, tokens)
+        contexts = [c + s for c, s in zip(contexts, sampled)]
+        tokens, lengths = batch(*contexts, width=WIDTH)
+        assert proposer.propose(sampled, lengths, tokens) == drafts
+        proposer.after_handover()
+        verified = drafts
+        sampled = [[7, 9], [7, 9]]  # one draft token accepted, then a bonus token
+    # Every draft but the first step's precomputed ones was made ahead.
+    made_ahead = {"after sampling": 0, "precomputed": 2, "before sampling": 4}[ahead]
+    assert proposer.ahead.precomputed["used"] == made_ahead
+
+
 @pytest.mark.parametrize("precompute", [False, True])
 def test_a_failed_step_leaves_no_draft_behind(precompute):
     """A step whose bookkeeping raised handed vLLM no drafts: the next step must not count the

@@ -255,6 +255,33 @@ def test_prometheus_series_count_a_tensor_parallel_engines_steps_once(datastore)
 
 
 
+def test_a_tensor_parallel_engines_served_store_is_one_series():
+    """Every rank keeps the same served store, and ``/metrics`` shows the gauge once per
+    process: before, an engine of 2 ranks showed its store twice. The first rank reports it:
+    rank 1 storing a request of another size leaves the gauge at rank 0's."""
+    from prometheus_client import REGISTRY
+
+    sizes = {}
+    for rank, output in ((0, list(range(10, 20))), (1, [10, 11])):
+        config = vllm_config({"method": "hybrid", "num_speculative_tokens": 4})
+        config.parallel_config = SimpleNamespace(world_size=2, rank=rank, tensor_parallel_size=2)
+        proposer = RetrievalProposer(config)
+        try:
+            tokens, lengths = batch([1, 2, *output])
+            proposer.observe_batch(["a"])
+            proposer.propose([[output[0]]], np.array([3], dtype=np.int32), tokens)
+            proposer.propose([output[1:]], lengths, tokens)
+            proposer.observe_finished({"a"})
+            assert proposer.method.learning.shared.wait_indexed()
+            proposer.observe_batch([])
+            sizes[rank] = (proposer.stats()["served_store_tokens"],
+                           REGISTRY.get_sample_value("vllm_rsd:served_store_tokens",
+                                                     {"method": "hybrid"}))
+        finally:
+            proposer.close()
+    assert sizes == {0: (12, 12), 1: (4, 12)}
+
+
 @pytest.mark.parametrize("ahead", ["none", "precompute", "before_sampling"])
 def test_a_request_without_room_to_draft_makes_no_lookup(ahead):
     """k = 2, max_model_len 8: after its draft of 2 is accepted a request has 7 tokens and no

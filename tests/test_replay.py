@@ -66,6 +66,16 @@ def test_replay_counts_forwards_as_the_engine_would():
         (1.0, 0.0, 1.0)
 
 
+def test_a_records_max_tokens_caps_our_drafts_as_in_the_engine():
+    """The output above ended at max_tokens 19: the engine drafts the step that samples 23 24
+    one token (before: 23 24 5, two of them past the output) and the last step none."""
+    result, trace = replay(build_proposer({"method": "pld", **EXACT}, VLLM_CPU_DEFAULTS),
+                           [{**REPEATING, "max_tokens": 19}], StepCosts(0.1))
+    assert trace == [[[7, 8, 9]], [[11, 12, 13]], [[15, 16, 17]], [[19, 20, 21]], [[23]], [[]]]
+    assert result["tokens_per_forward"] == round(19 / 6, 3)
+    assert result["modeled_speedup"] == round(19 / (6 + 13 * 0.1), 3)
+
+
 def test_a_linear_cost_models_as_the_same_measured_curve():
     """1 + draft_token_cost x d a step, given as a constant or as a measured curve, models the
     same speedup: output tokens over the steps' summed cost, the prefills' forwards included

@@ -82,9 +82,12 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None,
-                      served_keys: list[str | None] | None) -> None:
+                      served_keys: list[str | None] | None,
+                      token_limits: list[int | None] | None) -> None:
         """Before sampling, every step: which request is in which row, which rows may get a
-        tree, and (``served_store_keys``) each row's served-store key."""
+        tree, (``served_store_keys``) each row's served-store key, and how many tokens each
+        request may reach, its prompt included (its max_tokens; None: no limit but
+        max_model_len)."""
 
     @abc.abstractmethod
     def observe_finished(self, req_ids: set[str],

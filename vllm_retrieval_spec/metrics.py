@@ -132,6 +132,9 @@ class _Uncounted:
     def observe(self, amount: float) -> None:
         pass
 
+    def set(self, value: float) -> None:
+        pass
+
 
 _UNCOUNTED = _Uncounted()
 
@@ -156,7 +159,7 @@ def _prometheus_metrics() -> dict[str, object]:
                 "next forward (all of it on vLLM-CPU)",
                 ["method"], buckets=_DRAFTING_BUCKETS),
             lookups=Counter(p + "lookups", "Draft attempts (one per request per step, where "
-                            "it has room to draft before max_model_len)", ["method"]),
+                            "it has room to draft before max_model_len and max_tokens)", ["method"]),
             empty_lookups=Counter(p + "empty_lookups", "Draft attempts that found nothing",
                                   ["method"]),
             failed_drafts=Counter(
@@ -164,8 +167,8 @@ def _prometheus_metrics() -> dict[str, object]:
                 "bad_tree or over_budget", ["method", "kind"]),
             output_tokens=Counter(p + "output_tokens",
                                   "Tokens sampled (accepted drafts + one per forward), "
-                                  "including any past max_tokens or EOS in a request's last "
-                                  "step",
+                                  "including any past EOS or a stop string in a request's "
+                                  "last step",
                                   ["method"]),
             target_forwards=Counter(p + "target_forwards",
                                     "Target-model forwards, counted per request", ["method"]),
@@ -178,6 +181,8 @@ def _prometheus_metrics() -> dict[str, object]:
     return _metrics
 
 
-def served_store_tokens_gauge(method: str) -> object:
-    """The served store's size, set by the method that keeps one."""
-    return _prometheus_metrics()["served_store_tokens"].labels(method)
+def served_store_tokens_gauge(method: str, counted: bool = True) -> object:
+    """The served store's size, set by the method that keeps one (``counted`` False: a no-op,
+    in a worker whose store another worker's gauge reports, ``counts_metrics``)."""
+    return _prometheus_metrics()["served_store_tokens"].labels(method) if counted \
+        else _UNCOUNTED

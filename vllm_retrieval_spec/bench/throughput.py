@@ -196,7 +196,8 @@ def run_benchmark(model: str, runs: list[MethodRun], prompts: dict[str, list[lis
     return {**results_document(run_name, command, compared_with_plain(results),
                                model=reported_model(model),
                                vllm=vllm.__version__),
-            "plain_outputs": [{"task": task, "prompt": p, "output": o}
+            "plain_outputs": [{"task": task, "prompt": p, "output": o,
+                               "max_tokens": settings.max_tokens}
                               for task, (_, outputs) in results[0].items()
                               for p, o in zip(prompts[task], outputs)]}
 

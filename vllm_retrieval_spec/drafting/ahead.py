@@ -94,7 +94,8 @@ class DraftAhead:
             # As propose's update: acceptance of the last draft as drafted.
             last_drafted = self.lengths.last_drafted.get(req_id, 0)
             max_len = self.lengths.max_len(
-                len(context), self.lengths.cap_after(req_id, len(tokens) - 1, last_drafted))
+                req_id, len(context),
+                self.lengths.cap_after(req_id, len(tokens) - 1, last_drafted))
             # Before drafting: a served store's index replaced meanwhile must not pass for
             # the one the draft came from.
             snapshot = self.method.snapshot(i)
@@ -102,7 +103,8 @@ class DraftAhead:
                 else ([], None)
             self.row_ahead[i] = ReadyDraft(
                 req_id, i, list(tokens), context, snapshot,
-                self.lengths.padded_draft(context, draft) if pad and tree is None else draft,
+                self.lengths.padded_draft(req_id, context, draft) if pad and tree is None
+                else draft,
                 tree, len(draft), last_drafted, max_len)
 
     def precompute_next(self, tree_of_row: Callable[[int], bool], report: Callable[..., None],
@@ -145,7 +147,7 @@ class DraftAhead:
         # Acceptance counts the draft as drafted: padding's tokens are not evidence.
         drafted_len = self.lengths.last_drafted.get(req_id, len(draft))
         ahead = NextDrafts(len(context), drafted, snapshot, [
-            self.lengths.max_len(len(context) + a + 1,
+            self.lengths.max_len(req_id, len(context) + a + 1,
                                  self.lengths.cap_after(req_id, a, drafted_len))
             for a in range(len(contexts))])
         for a, b in precompute_plan(followers, self.max_drafts):

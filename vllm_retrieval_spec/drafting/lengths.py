@@ -1,7 +1,8 @@
 """How long each request's next draft may be, and what verifying each length costs here.
 
-- Room: at most k tokens, and a draft may not push a request past ``max_model_len`` (the bonus
-  token included).
+- Room: at most k tokens, and a draft may not push a request past ``max_model_len``, nor past
+  its ``max_tokens`` (the bonus token included): vLLM's scheduler verifies whatever is drafted
+  and drops the tokens past ``max_tokens`` afterwards.
 - ``adaptive_draft_len``: a cap from the request's recent acceptance (``drafting.adaptive``),
   counting its last draft as drafted (padding's tokens are not evidence).
 - ``pad_drafts``: while one request decodes alone, each step's time by the draft length it
@@ -26,6 +27,9 @@ class DraftLengths:
                  clock: Callable[[], int] = time.perf_counter_ns) -> None:
         self.k = k
         self.max_model_len = max_model_len
+        #: Request id -> the most tokens it may reach, its prompt included, where its
+        #: ``max_tokens`` ends it before ``max_model_len`` (``limit_tokens``).
+        self.token_limits: dict[str, int] = {}
         self.acceptance = (AcceptanceTracker(k, drafting.draft_token_cost, drafting.min_draft_len)
                            if drafting.adaptive_draft_len else None)
         #: Request id -> length of its last draft as drafted (before padding).
@@ -45,9 +49,18 @@ class DraftLengths:
         #: Drafts padded since the stats were last reset.
         self.padded = 0
 
-    def max_len(self, num_tokens: int, cap: int | None = None) -> int:
-        # Leave room for the bonus token: a draft may not push past max_model_len.
-        max_len = min(self.k, self.max_model_len - num_tokens - 1)
+    def limit_tokens(self, req_ids: list[str], limits: list[int | None] | None) -> None:
+        """This step's requests may reach ``limits[i]`` tokens, their prompts included (None:
+        ``max_model_len``)."""
+        self.token_limits = {} if limits is None else {
+            req_id: limit for req_id, limit in zip(req_ids, limits)
+            if limit is not None and limit < self.max_model_len}
+
+    def max_len(self, req_id: str | None, num_tokens: int, cap: int | None = None) -> int:
+        """The longest draft request ``req_id`` may get at ``num_tokens`` tokens."""
+        # Leave room for the bonus token: verifying a draft gives one token more than it holds.
+        limit = self.token_limits.get(req_id, self.max_model_len)
+        max_len = min(self.k, limit - num_tokens - 1)
         return max_len if cap is None else min(max_len, cap)
 
     def cap_now(self, req_id: str | None, sampled: int) -> int | None:
@@ -107,13 +120,13 @@ class DraftLengths:
         if self._alone is not None:
             self._alone = (*self._alone[:3], self.clock())
 
-    def padded_draft(self, context: np.ndarray, draft: list[int]) -> list[int]:
+    def padded_draft(self, req_id: str, context: np.ndarray, draft: list[int]) -> list[int]:
         """``draft`` padded to the length whose steps ``step_costs`` found cheapest among
         those not shorter, or to a length still to be measured (``StepCostModel.explore``)
         when the draft is not longer than that."""
         explore = self.step_costs.explore(len(draft))
         target = explore if explore is not None else self.step_costs.target(len(draft))
-        target = min(target, self.k, self.max_model_len - len(context) - 1)
+        target = min(target, self.max_len(req_id, len(context)))
         if target <= len(draft):
             return draft
         return pad_to(context, np.asarray(draft, dtype=np.int32), target).tolist()

@@ -80,10 +80,11 @@ def with_drafts_before_sampling(sample: Callable) -> Callable:
 
 def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
                      spec_decode_metadata: Any) -> None:
-    """Tell our drafter which request is in which row, which may get a tree and, when it asks,
-    which served store each is drafted from (no sampled token is needed for that); with
-    ``drafts_before_sampling``, hand it what each greedy request will sample (the argmax of its
-    rows of the logits along its draft), so it drafts now rather than after sampling."""
+    """Tell our drafter which request is in which row, how many tokens each may reach, which
+    may get a tree and, when it asks, which served store each is drafted from (no sampled token
+    is needed for that); with ``drafts_before_sampling``, hand it what each greedy request will
+    sample (the argmax of its rows of the logits along its draft), so it drafts now rather
+    than after sampling."""
     from vllm_retrieval_spec.patches.trees import tree_verifier
     from vllm_retrieval_spec.verification.core import takes_argmax, tree_eligible
 
@@ -92,8 +93,8 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
     verifier = tree_verifier(runner)
     req_ids = list(runner.input_batch.req_ids)
     before_sampling = capabilities.drafts_before_sampling
-    params = [runner.requests[r].sampling_params for r in req_ids] \
-        if verifier is not None or before_sampling or capabilities.served_store_keys else []
+    states = [runner.requests[r] for r in req_ids]
+    params = [state.sampling_params for state in states]
     greedy = [takes_argmax(p) for p in params] if before_sampling else None
     keys = None
     if capabilities.served_store_keys:
@@ -101,7 +102,8 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
 
         keys = [served_store_key(p) for p in params]
     drafter.observe_batch(req_ids, [tree_eligible(p) for p in params]
-                          if verifier is not None else None, keys)
+                          if verifier is not None else None, keys,
+                          [_token_limit(state) for state in states])
     waited = 0
     if before_sampling and logits is not None and any(greedy):
         from vllm_retrieval_spec.drafting.overlap import row_argmax, sampled_before_sampling
@@ -118,6 +120,12 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
         drafter.draft_before_sampling(sampled, verified, runner.input_batch.num_tokens_no_spec,
                                       runner.input_batch.token_ids_cpu)
     _drafting_timer(runner).add_before(time.perf_counter_ns() - start - waited)
+
+
+def _token_limit(state: Any) -> int | None:
+    """The most tokens a request may reach, its prompt included (None: max_model_len alone)."""
+    max_tokens = getattr(state.sampling_params, "max_tokens", None)
+    return None if max_tokens is None else state.num_prompt_tokens + max_tokens
 
 
 def _wait_for_forward(device: Any) -> int:

@@ -129,12 +129,14 @@ class RetrievalProposer(Drafter):
         return row < len(self.tree_rows) and self.tree_rows[row]
 
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None,
-                      served_keys: list[str | None] | None = None) -> None:
+                      served_keys: list[str | None] | None = None,
+                      token_limits: list[int | None] | None = None) -> None:
         self.row_req_ids = req_ids
         self.tree_rows = tree_rows or []
         self.settle()
         self.ahead.begin_batch(req_ids)
         self.lengths.forget_except(req_ids)
+        self.lengths.limit_tokens(req_ids, token_limits)
         self.method.begin_step(req_ids, served_keys)
 
     def observe_finished(self, req_ids: set[str],
@@ -273,7 +275,8 @@ class RetrievalProposer(Drafter):
 
     def _draft_now(self, i: int, req_id: str | None, sampled: list[int],
                    context: np.ndarray) -> tuple[list[int], TreeDraft | None]:
-        max_len = self.lengths.max_len(len(context), self.lengths.cap_now(req_id, len(sampled)))
+        max_len = self.lengths.max_len(req_id, len(context),
+                                       self.lengths.cap_now(req_id, len(sampled)))
         if max_len <= 0:
             return [], None
         draft, tree = self.guard.checked(i, context, max_len, self._tree_row(i))
@@ -282,7 +285,7 @@ class RetrievalProposer(Drafter):
 
     def _count_lookup(self, max_len: int, drafted: int) -> None:
         """A draft attempt of at most ``max_len`` tokens gave ``drafted``. A request with no
-        room to draft (``max_len`` <= 0, at max_model_len) made none, however its draft was
+        room to draft (``max_len`` <= 0: at max_model_len or max_tokens) made none, however its draft was
         made: the metrics count attempts, and empty ones where the sources found nothing."""
         if max_len > 0:
             self._counts["lookups"] += 1
@@ -294,7 +297,7 @@ class RetrievalProposer(Drafter):
         if tree is not None:
             self.trees[req_id] = tree
         elif pad:
-            padded = self.lengths.padded_draft(context, draft)
+            padded = self.lengths.padded_draft(req_id, context, draft)
             self.lengths.padded += len(padded) > len(draft)
             draft = padded
         if pad:

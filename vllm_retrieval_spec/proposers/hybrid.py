@@ -29,7 +29,7 @@ from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore, accepte
 from vllm_retrieval_spec.datastore.suffix_array import SuffixArrayDatastore
 from vllm_retrieval_spec.drafting.tree import TreeDraft, TrieSelection
 from vllm_retrieval_spec.drafting.trie import TrieDrafter
-from vllm_retrieval_spec.metrics import served_store_tokens_gauge
+from vllm_retrieval_spec.metrics import counts_metrics, served_store_tokens_gauge
 from vllm_retrieval_spec.sources.base import Gated, Vote
 from vllm_retrieval_spec.sources.context import ContextSource, LastTokenBranches
 from vllm_retrieval_spec.sources.dense import (
@@ -86,7 +86,7 @@ class ServedLearning:
     sharing it (``datastore.served_saver``)."""
 
     def __init__(self, config: HybridConfig, model_config: Any, dense: DenseIndex | None,
-                 background: bool) -> None:
+                 background: bool, counted: bool = True) -> None:
         options = config.served
         self.keyed = KeyedServedStores(options.served_max_tokens, options.served_max_keys,
                                        background=background) \
@@ -117,7 +117,7 @@ class ServedLearning:
         self.requests: ServedRequests | None = ServedRequests(
             self.keyed or self.shared, options.served_prompts, self.dense,
             self.directory.record if self.directory is not None else None)
-        self.tokens_gauge = served_store_tokens_gauge(config.method)
+        self.tokens_gauge = served_store_tokens_gauge(config.method, counted)
         #: Each batch row's key and store this step (``per_request``).
         self.row_keys: list[str | None] = []
         self.row_stores: list[ServedStore | None] = []
@@ -370,5 +370,7 @@ def make_drafter(config: HybridConfig, vllm_config: Any,
             # replicas' records at a different step from the other ranks.
             raise ConfigError("speculative_config['served_datastore'] is not supported with "
                               f"tensor or pipeline parallelism (world size {world_size})")
-        learning = ServedLearning(config, model, dense, background=world_size == 1)
+        # Tensor-parallel ranks keep the same store: only the one that counts reports it.
+        learning = ServedLearning(config, model, dense, background=world_size == 1,
+                                  counted=counts_metrics(parallel))
     return HybridDrafter(config, datastore, dense, learning, report)
