@@ -701,6 +701,33 @@ def test_calibrate_checks_its_output_before_measuring_and_writes_it_whole(monkey
     cli.main(["calibrate", "--model", "m", "-o", str(output), "--verbose"])
     assert json.loads(output.read_text())["steps"] == rows
     assert [p.name for p in output.parent.iterdir()] == ["options.json"]
+    # An earlier calibration is replaced only when asked to, and before measuring.
+    monkeypatch.setattr(verify_cost, "measure",
+                        lambda *args, **kwargs: pytest.fail("an engine would have started"))
+    with pytest.raises(SystemExit, match=rf"^error: {output} exists; pass --overwrite to replace "
+                                         r"it, or give another -o$"):
+        cli.main(["calibrate", "--model", "m", "-o", str(output)])
+    remeasured = [{**row, "ms_per_step_median": 2 * row["ms_per_step_median"]} for row in rows]
+    monkeypatch.setattr(verify_cost, "measure", lambda *args: remeasured)
+    cli.main(["calibrate", "--model", "m", "-o", str(output), "--overwrite"])
+    assert json.loads(output.read_text())["steps"] == remeasured
+
+
+def test_bench_replaces_an_earlier_runs_results_only_when_asked(monkeypatch, tmp_path):
+    """Before: a second run of the same name (the default, "bench") silently replaced the
+    first's results once it had run."""
+    (tmp_path / "bench.json").write_text("{}")
+    monkeypatch.setattr(cli, "resolve_model",
+                        lambda model: pytest.fail("the model would have been fetched"))
+    with pytest.raises(SystemExit, match=rf"^error: {tmp_path / 'bench.json'} holds the results "
+                                         r"of an earlier run named 'bench'; pass --overwrite to "
+                                         r"replace them, or choose another --run-name$"):
+        cli.main(["bench", "--methods", "plain", "--output-dir", str(tmp_path)])
+    # Another name, or --overwrite, goes on to the model.
+    for argv in (["--run-name", "other"], ["--overwrite"]):
+        with pytest.raises(pytest.fail.Exception, match="the model would have been fetched"):
+            cli.main(["bench", "--methods", "plain", "--output-dir", str(tmp_path), *argv])
+    assert (tmp_path / "bench.json").read_text() == "{}"
 
 
 def test_bench_refuses_a_datastore_that_is_not_one_before_any_engine(monkeypatch, tmp_path):

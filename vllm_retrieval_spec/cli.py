@@ -530,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-name", default="bench")
     p.add_argument("--output-dir", default="benchmarks/results",
                    help="where <run-name>.json/.md/.png go ('' to write nothing)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run of the same name")
     p.add_argument("--verbose", action="store_true", help="show vLLM's log")
     p.set_defaults(func=bench_command)
 
@@ -538,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     add_calibration_plan(p, lengths="0,1,2,3,4,6,8,12,16")
     p.add_argument("-o", "--output", help="also write the options and the step times as JSON")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--verbose", action="store_true", help="show vLLM's log")
     p.set_defaults(func=calibrate_command)
 

@@ -32,6 +32,8 @@ def bench_command(args: argparse.Namespace) -> None:
         load_datastore(directory, verify_checksums=False)
     if args.temperature == 0 and (args.top_p != 1.0 or args.top_k):
         raise SystemExit("error: --top-p and --top-k need --temperature above 0")
+    if args.output_dir and not args.overwrite:
+        check_new_run(Path(args.output_dir), args.run_name)
     settings = BenchSettings(max_tokens=args.max_tokens, num_speculative_tokens=args.k,
                              concurrency=args.concurrency, interleave=not args.sequential,
                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -62,6 +64,16 @@ def bench_command(args: argparse.Namespace) -> None:
         print(f"results: {json_path} and {md_path}\nplot: {png_path}")
     if not args.verbose:
         print(f"vLLM's log: {log}")
+
+
+def check_new_run(output_dir: Path, run_name: str) -> None:
+    """Before any engine starts: a run's results replace an earlier run's of the same name
+    only when asked to, as a datastore does (``--overwrite``)."""
+    earlier = output_dir / f"{run_name}.json"
+    if earlier.exists():
+        raise SystemExit(f"error: {earlier} holds the results of an earlier run named "
+                         f"{run_name!r}; pass --overwrite to replace them, or choose another "
+                         "--run-name")
 
 
 @contextlib.contextmanager
@@ -199,7 +211,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
     # A model vLLM cannot load would end in its traceback; its tokenizer fails in one line.
     text = checked_calibration_text(model, args.contexts, args.lengths, args.max_tokens)
     if args.output:
-        _check_output_file(Path(args.output))
+        _check_output_file(Path(args.output), args.overwrite)
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
     with engine_output_to(None if args.verbose else log) as terminal:
         rows = measure(model, text, args.contexts, args.lengths, args.repeats,
@@ -219,13 +231,17 @@ def calibrate_command(args: argparse.Namespace) -> None:
         print(f"wrote {args.output}")
 
 
-def _check_output_file(output: Path) -> None:
-    """Before the measurements: a path found unwritable only afterwards costs them all."""
+def _check_output_file(output: Path, overwrite: bool) -> None:
+    """Before the measurements: a path found unwritable only afterwards costs them all, and
+    an earlier calibration is replaced only when asked to."""
     from vllm_retrieval_spec.datastore.format import make_output_dir
 
     if output.is_dir():
         raise SystemExit(f"error: {output} is a directory; give the path of the .json file "
                          "to write")
+    if output.exists() and not overwrite:
+        raise SystemExit(f"error: {output} exists; pass --overwrite to replace it, or give "
+                         "another -o")
     make_output_dir(output.parent, output)
 
 
@@ -248,5 +264,6 @@ def demo_command(args: argparse.Namespace) -> None:
               "--datastore", f"stdlib={datastore}", "--tasks", "code-gen",
               "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
               "--run-name", "demo", "--output-dir", str(args.output_dir or cache_dir() / "demo"),
+              "--overwrite",  # the last demo's results, the demo's to replace
               *(["--verbose"] if args.verbose else [])])
     print(f"demo finished in {time.perf_counter() - start:.0f} s")
