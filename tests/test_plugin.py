@@ -180,11 +180,12 @@ def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
     from vllm_retrieval_spec.contract import Capabilities, Drafter
     from vllm_retrieval_spec.patches.drafter import with_drafts_before_sampling
 
-    requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(
-                    extra_args={"served_store_key": "tenant-1"})),
-                "b": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=None)),
-                "c": SimpleNamespace(sampling_params=SimpleNamespace(
-                    extra_args={"served_store_key": 7}))}
+    requests = {"a": SimpleNamespace(num_prompt_tokens=3, sampling_params=SimpleNamespace(
+                    extra_args={"served_store_key": "tenant-1"}, max_tokens=5)),
+                "b": SimpleNamespace(num_prompt_tokens=4, sampling_params=SimpleNamespace(
+                    extra_args=None, max_tokens=None)),
+                "c": SimpleNamespace(num_prompt_tokens=5, sampling_params=SimpleNamespace(
+                    extra_args={"served_store_key": 7}, max_tokens=16))}
     sample = with_drafts_before_sampling(lambda runner, logits, metadata: "sampled")
     seen = []
     for keys in (True, False):
@@ -195,8 +196,9 @@ def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
                                  input_batch=SimpleNamespace(req_ids=["a", "b", "c"]))
         assert sample(runner, None, None) == "sampled"
         drafter.draft_before_sampling.assert_not_called()
-    assert seen == [(["a", "b", "c"], None, ["tenant-1", None, "7"]),
-                    (["a", "b", "c"], None, None)]
+    # And how many tokens each may reach, prompt included (None: max_model_len alone).
+    assert seen == [(["a", "b", "c"], None, ["tenant-1", None, "7"], [8, None, 21]),
+                    (["a", "b", "c"], None, None, [8, None, 21])]
     # vLLM's own drafters are left alone.
     runner = SimpleNamespace(drafter=SimpleNamespace(), requests=requests,
                              input_batch=SimpleNamespace(req_ids=["a"]))
@@ -219,11 +221,12 @@ def test_a_row_whose_token_vllm_discards_samples_nothing_before_sampling():
     SamplingParams = pytest.importorskip("vllm").SamplingParams
     drafter = mock.create_autospec(Drafter, instance=True)
     drafter.capabilities = Capabilities(drafts_before_sampling=True)
-    greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
+    greedy = SimpleNamespace(num_prompt_tokens=2,
+                             sampling_params=SamplingParams(temperature=0.0))
     runner = SimpleNamespace(
         drafter=drafter, kv_caches=[],
         requests={"g": greedy, "s": SimpleNamespace(
-            sampling_params=SamplingParams(temperature=0.8)), "p": greedy},
+            num_prompt_tokens=2, sampling_params=SamplingParams(temperature=0.8)), "p": greedy},
         input_batch=SimpleNamespace(req_ids=["g", "s", "p"],
                                     num_tokens_no_spec=np.array([2, 2, 1]),
                                     token_ids_cpu=np.zeros((3, 4), dtype=np.int32)),
@@ -274,7 +277,8 @@ def test_drafting_before_sampling_and_after_the_handover_on_cpu_is_critical(monk
     drafter.after_handover.side_effect = lambda *args: time.sleep(0.002)
     runner = SimpleNamespace(
         drafter=drafter, kv_caches=[], device=torch.device("cpu"),
-        requests={"g": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))},
+        requests={"g": SimpleNamespace(num_prompt_tokens=2,
+                                       sampling_params=SamplingParams(temperature=0.0))},
         input_batch=SimpleNamespace(req_ids=["g"], num_tokens_no_spec=np.array([2]),
                                     token_ids_cpu=np.zeros((1, 4), dtype=np.int32)),
         discard_request_mask=SimpleNamespace(np=np.array([False])))
@@ -459,7 +463,8 @@ def test_waiting_for_a_gpu_forward_to_read_the_logits_is_not_drafting(monkeypatc
     drafter.draft_before_sampling.side_effect = lambda *args: now.__setitem__(0, now[0] + 1_000_000)
     runner = SimpleNamespace(
         drafter=drafter, kv_caches=[], device=torch.device("cuda", 0),
-        requests={"g": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))},
+        requests={"g": SimpleNamespace(num_prompt_tokens=2,
+                                       sampling_params=SamplingParams(temperature=0.0))},
         input_batch=SimpleNamespace(req_ids=["g"], num_tokens_no_spec=np.array([2]),
                                     token_ids_cpu=np.zeros((1, 4), dtype=np.int32)),
         discard_request_mask=SimpleNamespace(np=np.array([False])))

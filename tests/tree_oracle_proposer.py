@@ -41,7 +41,8 @@ class TreeOracleProposer(Drafter):
         pass
 
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None,
-                      served_keys: list[str | None] | None) -> None:
+                      served_keys: list[str | None] | None,
+                      token_limits: list[int | None] | None) -> None:
         self.req_ids = req_ids
         self.tree_rows = tree_rows
 
