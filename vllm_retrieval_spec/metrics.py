@@ -159,7 +159,8 @@ def _prometheus_metrics() -> dict[str, object]:
                 "next forward (all of it on vLLM-CPU)",
                 ["method"], buckets=_DRAFTING_BUCKETS),
             lookups=Counter(p + "lookups", "Draft attempts (one per request per step, where "
-                            "it has room to draft before max_model_len and max_tokens)", ["method"]),
+                            "it has room to draft before max_model_len and max_tokens)",
+                            ["method"]),
             empty_lookups=Counter(p + "empty_lookups", "Draft attempts that found nothing",
                                   ["method"]),
             failed_drafts=Counter(

@@ -285,8 +285,9 @@ class RetrievalProposer(Drafter):
 
     def _count_lookup(self, max_len: int, drafted: int) -> None:
         """A draft attempt of at most ``max_len`` tokens gave ``drafted``. A request with no
-        room to draft (``max_len`` <= 0: at max_model_len or max_tokens) made none, however its draft was
-        made: the metrics count attempts, and empty ones where the sources found nothing."""
+        room to draft (``max_len`` <= 0: at max_model_len or max_tokens) made none, however its
+        draft was made: the metrics count attempts, and empty ones where the sources found
+        nothing."""
         if max_len > 0:
             self._counts["lookups"] += 1
             self._counts["empty_lookups"] += not drafted
