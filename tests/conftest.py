@@ -79,6 +79,15 @@ def code_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def eos_prompts(tokenizer) -> list[list[int]]:
+    """Questions whose greedy answers end at the EOS within ``E2E_MAX_TOKENS`` (8-23 tokens)."""
+    from vllm_retrieval_spec.bench.tasks import render
+
+    return [render([{"role": "user", "content": question}], tokenizer) for question in (
+        "What is the capital of France? Answer in one word.", "Name a color.", "What is 2 + 2?")]
+
+
+@pytest.fixture(scope="session")
 def near_limit_prompts(code_prompts) -> list[list[int]]:
     """A prompt K - 2 tokens short of max_model_len (code prompts end to end) and a code prompt:
     while the first runs, vLLM would call no drafter for the batch."""
@@ -88,13 +97,16 @@ def near_limit_prompts(code_prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def plain_runs(model_dir, code_prompts, near_limit_prompts) -> dict[str, list[list[int]]]:
-    """Plain greedy decoding of the code prompts one request at a time ("code") and of
-    ``near_limit_prompts`` together; the engine is gone before others start."""
+def plain_runs(model_dir, code_prompts, near_limit_prompts, eos_prompts
+               ) -> dict[str, list[list[int]]]:
+    """Plain greedy decoding of the code prompts one request at a time ("code"), of
+    ``near_limit_prompts`` together and of ``eos_prompts`` one at a time; the engine is gone
+    before others start."""
     llm = make_llm(model_dir, None)
     try:
         return {"code": [generate_ids(llm, [p], greedy())[0] for p in code_prompts],
-                "near_limit": generate_ids(llm, near_limit_prompts, greedy())}
+                "near_limit": generate_ids(llm, near_limit_prompts, greedy()),
+                "eos": [generate_ids(llm, [p], greedy())[0] for p in eos_prompts]}
     finally:
         shutdown(llm)
 

@@ -73,6 +73,27 @@ def test_served_store_learns_is_lossless_and_is_compacted_while_serving(
     main(["inspect", str(snapshot)])
 
 
+def test_a_request_is_stored_through_its_eos_and_not_past_it(model_dir, tokenizer, eos_prompts,
+                                                            plain_runs):
+    """What the store holds is what was served: each request's prompt and output through its
+    EOS. Its last step's row also holds the draft tokens accepted after the EOS, which vLLM cut
+    from the output; they were stored too (2-5 a request, more each pass, as drafts from the
+    store ran on past the EOS)."""
+    llm = make_llm(model_dir, SPEC)
+    try:
+        passes = [[generate_ids(llm, [p], greedy())[0] for p in eos_prompts] for _ in range(3)]
+        # The last request is stored once vLLM's next step (an empty one) says it finished.
+        stats = wait_for(lambda: (s := llm.collective_rpc("rsd_drafting_stats")[0])[
+            "served_store_requests"] == 3 * len(eos_prompts) and s, "the last request stored")
+    finally:
+        shutdown(llm)
+    expected = plain_runs["eos"]
+    assert all(output[-1] == tokenizer.eos_token_id for output in expected)
+    assert passes == [expected] * 3
+    assert stats["served_store_tokens"] == 3 * sum(
+        len(prompt) + len(output) for prompt, output in zip(eos_prompts, expected))
+
+
 def keyed(key: str | None):
     from vllm import SamplingParams
 

@@ -364,12 +364,48 @@ def test_finished_requests_are_told_with_their_tokens_in_the_batch():
     drafter = mock.create_autospec(Drafter, instance=True)
     drafter.observe_finished.side_effect = lambda req_ids, tokens: seen.append(
         (req_ids, {r: t.tolist() for r, t in tokens.items()}))
-    runner = SimpleNamespace(drafter=drafter, input_batch=SimpleNamespace(
+    runner = SimpleNamespace(drafter=drafter, requests={}, input_batch=SimpleNamespace(
         req_id_to_index={"b": 0, "a": 1}, num_tokens_no_spec=np.array([2, 3]),
         token_ids_cpu=np.array([[7, 8, 0, 0], [1, 2, 3, 0]])))
     update = telling_finished_requests(lambda runner, output: "updated")
     assert update(runner, SimpleNamespace(finished_req_ids={"a", "gone"})) == "updated"
     assert seen == [({"a", "gone"}, {"a": [1, 2, 3]})]
+
+
+def test_finished_requests_are_told_through_the_token_that_stopped_them():
+    """A request's row holds what its last step accepted after its EOS or stop token; vLLM's
+    scheduler cut that from the output, and the served store is told the tokens served: through
+    the first such token of the output (one in the prompt does not count), none where the
+    request ignores EOS and has no stop token."""
+    from unittest import mock
+
+    import numpy as np
+
+    from vllm_retrieval_spec.contract import Drafter
+    from vllm_retrieval_spec.patches.drafter import telling_finished_requests
+
+    def request(prompt_len, eos, stop_token_ids):
+        return SimpleNamespace(num_prompt_tokens=prompt_len, sampling_params=SimpleNamespace(
+            eos_token_id=eos, stop_token_ids=stop_token_ids))
+
+    seen = {}
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.observe_finished.side_effect = lambda req_ids, tokens: seen.update(
+        {r: t.tolist() for r, t in tokens.items()})
+    runner = SimpleNamespace(
+        drafter=drafter,
+        requests={"eos": request(3, 2, []), "stop": request(2, None, [8, 9]),
+                  "ignores_eos": request(2, None, None)},
+        input_batch=SimpleNamespace(
+            req_id_to_index={"eos": 0, "stop": 1, "ignores_eos": 2, "unknown": 3},
+            num_tokens_no_spec=np.array([7, 6, 5, 3]),
+            token_ids_cpu=np.array([[2, 5, 6, 7, 2, 9, 9], [1, 2, 3, 9, 8, 4, 0],
+                                    [1, 2, 2, 2, 8, 0, 0], [1, 2, 2, 0, 0, 0, 0]])))
+    telling_finished_requests(lambda *args: None)(runner, SimpleNamespace(
+        finished_req_ids={"eos", "stop", "ignores_eos", "unknown"}))
+    assert seen == {"eos": [2, 5, 6, 7, 2], "stop": [1, 2, 3, 9], "ignores_eos": [1, 2, 2, 2, 8],
+                    "unknown": [1, 2, 2]}
+    drafter.report_failure.assert_not_called()
 
 
 def test_our_drafter_drafts_in_steps_near_max_model_len():
@@ -409,7 +445,7 @@ def test_storing_the_requests_the_last_step_finished_is_drafting_the_step_waits_
     drafter.has_work_after_handover = False
     drafter.observe_finished.side_effect = lambda *args: time.sleep(0.003)
     runner = SimpleNamespace(
-        drafter=drafter, device=torch.device("cpu"),
+        drafter=drafter, device=torch.device("cpu"), requests={},
         input_batch=SimpleNamespace(req_ids=["b"], req_id_to_index={"a": 0, "b": 1},
                                     num_tokens_no_spec=np.array([2, 2]),
                                     token_ids_cpu=np.zeros((2, 4), dtype=np.int32)))

@@ -179,6 +179,26 @@ def test_served_requests_hand_states_at_their_document_positions(include_prompts
     assert found == ([[11, 12]] if include_prompts else [])
 
 
+@pytest.mark.parametrize("include_prompts", [True, False])
+def test_states_past_the_end_of_what_was_served_are_not_indexed(include_prompts):
+    """A request told finished with fewer tokens than its steps saw (its last step ran past
+    its EOS, ``Drafter.observe_finished``) keeps the keys of states whose next token it
+    stored, not those past its end."""
+    rng = np.random.default_rng(6)
+    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
+    tracker = ServedRequests(ServedStore(100, background=False), include_prompts, dense)
+    token_ids = np.array([[1, 2, 3, 10, 11, 12]], dtype=np.int32)
+    states = unit(rng, 3)
+    tracker.observe(["a"], [[10]], np.array([4]), token_ids, None,
+                    [(states[:1], np.array([2]))])
+    tracker.observe(["a"], [[11, 12]], np.array([6]), token_ids, None,
+                    [(states[1:], np.array([3, 4]))])
+    # Served through 11: the state at 4 predicted 12, which was not served.
+    tracker.finish(["a"], {"a": token_ids[0, :5]})
+    assert dense.num_keys == (2 if include_prompts else 1)
+    assert candidate_lists(dense, states[2], emitted=12, top_n=3)[0] == []
+
+
 def test_hybrid_drafts_from_the_served_states_of_finished_requests():
     """A finished request's states are keys: a later request whose context matches nothing,
     but whose state is near one of them, is drafted what followed there."""

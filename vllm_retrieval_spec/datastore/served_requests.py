@@ -123,6 +123,9 @@ def store_served(store: ServedStore, dense: ServedDenseStore | None, req_id: str
     if dense is None or document is None:
         return document
     positions = np.asarray(positions) - (start + len(tokens) - len(document))
-    kept = positions >= 0
+    # A state predicts the token after its position, which must be in the document: its start
+    # may be cut (the store's length limit), and its end too, where the row held tokens past
+    # the request's EOS (``Drafter.observe_finished``), with their states.
+    kept = (positions >= 0) & (positions < len(document) - 1)
     dense.add(document, states[kept], positions[kept])
     return document

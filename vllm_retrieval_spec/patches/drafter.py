@@ -128,6 +128,27 @@ def _token_limit(state: Any) -> int | None:
     return None if max_tokens is None else state.num_prompt_tokens + max_tokens
 
 
+def _as_served(state: Any, tokens: Any) -> Any:
+    """A finished request's ``tokens`` (its batch row) as vLLM served them: through the first
+    output token that stopped it (its EOS, unless it ignores EOS, or a stop token id: the
+    scheduler's ``check_stop``). The row also holds what the same step accepted after that
+    token, which the scheduler cut from the output. Stop strings are cut by the frontend, which
+    the worker does not hear of."""
+    if state is None:
+        return tokens
+    import numpy as np
+
+    params = state.sampling_params
+    stops = list(getattr(params, "stop_token_ids", None) or ())
+    eos = getattr(params, "eos_token_id", None)
+    if eos is not None:
+        stops.append(eos)
+    if not stops:
+        return tokens
+    hits = np.flatnonzero(np.isin(tokens[state.num_prompt_tokens:], stops))
+    return tokens if not len(hits) else tokens[:state.num_prompt_tokens + int(hits[0]) + 1]
+
+
 def _wait_for_forward(device: Any) -> int:
     """Nanoseconds spent waiting for the forward launched on ``device`` (none on vLLM-CPU).
     Reading the logits and the drafts on the host would wait for it anyway, as the step does
@@ -315,7 +336,8 @@ def telling_finished_requests(update_states: Callable) -> Callable:
                 batch = self.input_batch
                 rows = {r: batch.req_id_to_index.get(r) for r in scheduler_output.finished_req_ids}
                 drafter.observe_finished(scheduler_output.finished_req_ids, {
-                    r: batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]]
+                    r: _as_served(self.requests.get(r),
+                                  batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]])
                     for r, i in rows.items() if i is not None})
             _drafting_timer(self).add_before(time.perf_counter_ns() - start)
         return update_states(self, scheduler_output)
