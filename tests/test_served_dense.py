@@ -156,19 +156,24 @@ def test_accepted_state_rows_of_chains_and_trees():
         [(2, 4), (-1, -1), (9, 9)]
 
 
-@pytest.mark.parametrize("include_prompts", [True, False])
-def test_served_requests_hand_states_at_their_document_positions(include_prompts):
-    rng = np.random.default_rng(5)
+def one_request_in_two_steps(include_prompts: bool):
+    """A store and its tracker that saw request "a": prompt 1 2 3; step 1 samples 10 (the
+    prefill's state at 2), step 2 samples 11 12 (states at 3 and 4). Returns them, the states
+    and the request's tokens."""
     dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
     tracker = ServedRequests(ServedStore(100, background=False), include_prompts, dense)
-    # Prompt 1 2 3; step 1 samples 10 (the prefill's state at 2), step 2 samples 11 12
-    # (states at 3 and 4).
     token_ids = np.array([[1, 2, 3, 10, 11, 12]], dtype=np.int32)
-    states = unit(rng, 3)
+    states = unit(np.random.default_rng(5), 3)
     tracker.observe(["a"], [[10]], np.array([4]), token_ids, None,
                     [(states[:1], np.array([2]))])
     tracker.observe(["a"], [[11, 12]], np.array([6]), token_ids, None,
                     [(states[1:], np.array([3, 4]))])
+    return dense, tracker, states, token_ids[0]
+
+
+@pytest.mark.parametrize("include_prompts", [True, False])
+def test_served_requests_hand_states_at_their_document_positions(include_prompts):
+    dense, tracker, states, _ = one_request_in_two_steps(include_prompts)
     tracker.finish_all()
     # The state at context position 3 predicted 11: emitting 11 drafts 12.
     assert candidate_lists(dense, states[1], emitted=11, top_n=1)[0] == [[12]]
@@ -184,17 +189,9 @@ def test_states_past_the_end_of_what_was_served_are_not_indexed(include_prompts)
     """A request told finished with fewer tokens than its steps saw (its last step ran past
     its EOS, ``Drafter.observe_finished``) keeps the keys of states whose next token it
     stored, not those past its end."""
-    rng = np.random.default_rng(6)
-    dense = ServedDenseStore(100, DIMS, projection=identity_projection(), background=False)
-    tracker = ServedRequests(ServedStore(100, background=False), include_prompts, dense)
-    token_ids = np.array([[1, 2, 3, 10, 11, 12]], dtype=np.int32)
-    states = unit(rng, 3)
-    tracker.observe(["a"], [[10]], np.array([4]), token_ids, None,
-                    [(states[:1], np.array([2]))])
-    tracker.observe(["a"], [[11, 12]], np.array([6]), token_ids, None,
-                    [(states[1:], np.array([3, 4]))])
+    dense, tracker, states, tokens = one_request_in_two_steps(include_prompts)
     # Served through 11: the state at 4 predicted 12, which was not served.
-    tracker.finish(["a"], {"a": token_ids[0, :5]})
+    tracker.finish(["a"], {"a": tokens[:5]})
     assert dense.num_keys == (2 if include_prompts else 1)
     assert candidate_lists(dense, states[2], emitted=12, top_n=3)[0] == []
 
