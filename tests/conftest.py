@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (E2E_PROMPTS, K, MAX_MODEL_LEN, generate_ids, greedy, make_llm, shutdown,
-                     vllm_patches_undone)
+from helpers import (E2E_PROMPTS, K, MAX_MODEL_LEN, generate_ids, greedy, greedy_json, make_llm,
+                     shutdown, vllm_patches_undone)
 
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -88,6 +88,16 @@ def eos_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def json_prompts(tokenizer) -> list[list[int]]:
+    """Requests for records that ``helpers.PEOPLE_SCHEMA`` describes."""
+    from vllm_retrieval_spec.bench.tasks import render
+
+    return [render([{"role": "user", "content": question}], tokenizer) for question in (
+        "List five people with their name, age and city as JSON.",
+        "Give me a JSON object describing three people (name, age, city).")]
+
+
+@pytest.fixture(scope="session")
 def near_limit_prompts(code_prompts) -> list[list[int]]:
     """A prompt K - 2 tokens short of max_model_len (code prompts end to end) and a code prompt:
     while the first runs, vLLM would call no drafter for the batch."""
@@ -97,16 +107,17 @@ def near_limit_prompts(code_prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def plain_runs(model_dir, code_prompts, near_limit_prompts, eos_prompts
+def plain_runs(model_dir, code_prompts, near_limit_prompts, eos_prompts, json_prompts
                ) -> dict[str, list[list[int]]]:
     """Plain greedy decoding of the code prompts one request at a time ("code"), of
-    ``near_limit_prompts`` together and of ``eos_prompts`` one at a time; the engine is gone
-    before others start."""
+    ``near_limit_prompts`` together, and one at a time of ``eos_prompts`` and (held to a JSON
+    schema) ``json_prompts``; the engine is gone before others start."""
     llm = make_llm(model_dir, None)
     try:
         return {"code": [generate_ids(llm, [p], greedy())[0] for p in code_prompts],
                 "near_limit": generate_ids(llm, near_limit_prompts, greedy()),
-                "eos": [generate_ids(llm, [p], greedy())[0] for p in eos_prompts]}
+                "eos": [generate_ids(llm, [p], greedy())[0] for p in eos_prompts],
+                "json": [generate_ids(llm, [p], greedy_json())[0] for p in json_prompts]}
     finally:
         shutdown(llm)
 

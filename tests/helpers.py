@@ -161,6 +161,23 @@ def greedy(max_tokens: int = E2E_MAX_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
+#: A JSON schema for guided decoding: lists of records repeat their keys, which drafts find.
+PEOPLE_SCHEMA = {"type": "object", "required": ["people"], "properties": {"people": {
+    "type": "array", "items": {"type": "object", "required": ["name", "age", "city"],
+                               "properties": {"name": {"type": "string"},
+                                              "age": {"type": "integer"},
+                                              "city": {"type": "string"}}}}}}
+
+
+def greedy_json(max_tokens: int = 64):
+    """Greedy decoding held to ``PEOPLE_SCHEMA`` by vLLM's structured outputs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(json=PEOPLE_SCHEMA))
+
+
 def generate_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
