@@ -209,6 +209,14 @@ def wait_for(condition, what: str, timeout_s: float = 120.0):
     return value
 
 
+def stats_once_stored(llm, requests: int) -> dict[str, float]:
+    """The drafter's stats once its served store holds ``requests`` requests: the last one is
+    stored when vLLM's next step (an empty one, after the generate call returned) says it
+    finished."""
+    return wait_for(lambda: (s := llm.collective_rpc("rsd_drafting_stats")[0])[
+        "served_store_requests"] == requests and s, f"{requests} requests stored")
+
+
 @contextlib.contextmanager
 def openai_server(model_dir: str, args: list[str], log_path: Path):
     """`vllm-rsd serve` (the console script a user runs) on 127.0.0.1; yields its base URL once

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import (CROWDED_MAX_TOKENS, E2E_MAX_TOKENS, MAX_MODEL_LEN, K, assert_drafting_series,
                      generate_ids, greedy, make_llm, openai_server, prometheus_samples,
-                     server_healthy, shutdown, wait_for)
+                     server_healthy, shutdown, stats_once_stored)
 
 pytestmark = pytest.mark.e2e
 
@@ -95,9 +95,7 @@ def test_preempted_requests_decode_as_plain_and_are_served_once(model_dir, crowd
         outputs = generate_ids(llm, crowded_prompts, greedy(CROWDED_MAX_TOKENS))
         preemptions = next(m.value for m in llm.get_metrics()
                            if m.name == "vllm:num_preemptions")
-        # The last request is stored once vLLM's next step (an empty one) says it finished.
-        stats = wait_for(lambda: (s := llm.collective_rpc("rsd_drafting_stats")[0])[
-            "served_store_requests"] == len(crowded_prompts) and s, "every request stored")
+        stats = stats_once_stored(llm, len(crowded_prompts))
     finally:
         shutdown(llm)
     assert preemptions > 0

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from helpers import (
-    E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters, wait_for)
+    E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters, stats_once_stored,
+    wait_for)
 from vllm_retrieval_spec.cli import main
 from vllm_retrieval_spec.datastore.format import DatastoreError, load_datastore
 from vllm_retrieval_spec.datastore.served_saver import list_snapshots
@@ -82,9 +83,7 @@ def test_a_request_is_stored_through_its_eos_and_not_past_it(model_dir, tokenize
     llm = make_llm(model_dir, SPEC)
     try:
         passes = [[generate_ids(llm, [p], greedy())[0] for p in eos_prompts] for _ in range(3)]
-        # The last request is stored once vLLM's next step (an empty one) says it finished.
-        stats = wait_for(lambda: (s := llm.collective_rpc("rsd_drafting_stats")[0])[
-            "served_store_requests"] == 3 * len(eos_prompts) and s, "the last request stored")
+        stats = stats_once_stored(llm, 3 * len(eos_prompts))
     finally:
         shutdown(llm)
     expected = plain_runs["eos"]
