@@ -18,7 +18,7 @@ here imports vLLM, and the product is reached only through ``vllm_retrieval_spec
   as the CUDA wrapper does. Timed as CUDA graphs as vLLM replays them (chains whole, trees
   piecewise with attention eager, the mode trees put vLLM in), chains at batch 1 also
   piecewise (the mode of vLLM's steps whose rows do not all verify num_speculative_tokens),
-  and eagerly.
+  and eagerly; each row's repeats in rounds over its curve's lengths (``Plan.rounds``).
 - ``tree_profile``: where a tree step's time goes beyond a chain's of as many tokens: every
   kernel's device time (torch.profiler) in one verify forward of each, the 8B model, batch 1,
   the shortest context, the longest draft; and the host's (cProfile), eager and piecewise.
@@ -98,6 +98,9 @@ PROFILE_FORWARDS = 5
 PROFILE_TOP = 15
 #: Python functions listed by a host profile (``host_profile``), the most time first.
 HOST_PROFILE_TOP = 20
+#: A step-cost row whose slowest round's median is this many times its fastest's is listed
+#: under its table: its time depended on when it was measured.
+UNSTEADY_ROUNDS = 1.2
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class Plan:
     batches: tuple[int, ...]
     draft_lens: tuple[int, ...]
     warmup: int
+    #: Timed forwards per step-cost configuration, in ``rounds`` rounds over its curve's draft
+    #: lengths (``measure_model``), and per kernel case.
     repeats: int
     #: The kernel sections: (query heads, kv heads, head dim), the contiguous kernel's contexts,
     #: the projection's hidden sizes, and the contexts of the paged kernel's trees.
@@ -155,6 +160,16 @@ class Plan:
     #: (``block_m``, ``min_split_tokens``): the rule fitted by this run's paged_kernel section,
     #: else the kernel's defaults.
     tree_launch: tuple[tuple[str, int], ...] = ()
+    rounds: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.repeats % self.rounds:
+            raise ValueError(f"repeats ({self.repeats}) must be a multiple of rounds "
+                             f"({self.rounds})")
+
+    @property
+    def repeats_per_round(self) -> int:
+        return self.repeats // self.rounds
 
     @property
     def cuda(self) -> bool:
@@ -162,17 +177,21 @@ class Plan:
 
 
 GPU_PLAN = Plan(torch.device("cuda"), torch.bfloat16, (LLAMA_3_8B, SMOLLM2_135M),
-                (512, 2048, 8192), (1, 8), (0, 1, 2, 4, 8, 16, 32, 64), warmup=3, repeats=25,
+                (512, 2048, 8192), (1, 8), (0, 1, 2, 4, 8, 16, 32, 64), warmup=3, repeats=27,
                 attention_shape=(32, 8, 128), kernel_contexts=(512, 4096),
                 hidden_sizes=(576, 4096), paged_contexts=(8192, 512, 2048, 1001),
                 # The step-cost curve's contexts, the root's token included.
                 split_contexts=(513, 2049, 8193), split_nodes=(16, 64),
-                split_block_ms=(16, 32, 64), split_min_tokens=(64, 128, 256, 512, 1024, 2048))
+                split_block_ms=(16, 32, 64), split_min_tokens=(64, 128, 256, 512, 1024, 2048),
+                # On the H200 some piecewise tree rows took 1.5-2x their neighbours' time, all
+                # of their 25 repeats or runs of them (host-bound while the host was slow):
+                # rounds spread each row's repeats over its curve's seconds.
+                rounds=3)
 TINY_PLAN = Plan(torch.device("cpu"), torch.float32, (TINY,), (32, 64), (1, 2), (0, 1, 2, 4),
                  warmup=1, repeats=2, attention_shape=(4, 2, 16), kernel_contexts=(40,),
                  hidden_sizes=(96,), paged_contexts=(70, 16, 33, 1), split_contexts=(70,),
                  split_nodes=(4,), split_block_ms=(16, 32), split_min_tokens=(32, 1024),
-                 split_sms=4)
+                 split_sms=4, rounds=2)
 
 
 # --- Tree shapes ---------------------------------------------------------------------------
@@ -942,35 +961,46 @@ class StepCostRun:
         return block
 
     def measure(self, model: torch.nn.Module, caches: Caches, shape: str, batch: int,
-                context: int, n: int) -> dict[str, Any]:
-        """One row of a curve: verifying n draft tokens per sequence at this context."""
+                context: int, n: int, curve_only: bool = False) -> dict[str, Any]:
+        """One row of a curve: verifying n draft tokens per sequence at this context, one
+        round's repeats. ``curve_only`` (the later rounds): the curve's timing only, none of
+        the diagnostics beside it."""
         plan = self.plan
+        repeats = plan.repeats_per_round
         parents = chain(n) if shape == "chain" else verify_tree(n)
         forward = verify_forward(model, caches, parents, batch, context, plan)
         row: dict[str, Any] = {"context_tokens": context, "draft_len": n}
         if shape == "tree":
             row.update(tree_depth=max(node_depths(parents), default=0),
                        rows_recomputed=n - leading_chain_len(parents))
-        if forward.step.trees is not None:
+        if forward.step.trees is not None and not curve_only:
             row.update(tree_rows(forward, plan))
         for _ in range(plan.warmup):
             eager_logits = forward()
-        host: dict[str, list[float]] = {"eager": []}
-        eager = times_ms(forward, plan.repeats, plan.cuda, host["eager"])
-        row.update(eager_ms_median=median(eager))
-        # Both graph modes where they capture: vLLM replays a chain as one full graph only
-        # when every row verifies num_speculative_tokens, else piecewise (replay.CudaGraphs).
+        host: dict[str, list[float]] = {}
+        eager = None
+        if not curve_only:
+            host["eager"] = []
+            eager = times_ms(forward, repeats, plan.cuda, host["eager"])
+            row.update(eager_ms_median=median(eager))
+        # A tree's curve is piecewise, the only mode trees run in; a chain's the full graph
+        # (vLLM's methods at a k-token draft); the other mode's median beside it: vLLM
+        # replays a chain as one full graph only when every row verifies
+        # num_speculative_tokens, else piecewise (replay.CudaGraphs).
+        modes = {"cuda-graph-piecewise": (self.piecewise_shapes, capture_pieces,
+                                          lambda pieces: pieces.replay),
+                 "cuda-graph": (self.graph_shapes, capture_whole, lambda graph: graph.replay)}
+        preferred = ("cuda-graph-piecewise", "cuda-graph") if shape == "tree" else \
+            ("cuda-graph", "cuda-graph-piecewise")
         graphs: dict[str, list[float]] = {}
         errors: list[float] = []
-        for timing, shapes, capture, replayer in (
-                ("cuda-graph-piecewise", self.piecewise_shapes, capture_pieces,
-                 lambda pieces: pieces.replay),
-                ("cuda-graph", self.graph_shapes, capture_whole, lambda graph: graph.replay)):
+        for timing in preferred:
+            shapes, capture, replayer = modes[timing]
             if shape not in shapes or (timing == "cuda-graph-piecewise" and shape == "chain"
-                                       and batch > 1):
+                                       and batch > 1) or (curve_only and graphs):
                 continue
             try:
-                graphs[timing], error = time_graph(forward, eager_logits, plan.repeats,
+                graphs[timing], error = time_graph(forward, eager_logits, repeats,
                                                    capture, replayer, host.setdefault(timing, []))
                 errors.append(error)
             except Exception:
@@ -980,12 +1010,11 @@ class StepCostRun:
                 key = f"{self.model_name} {shape} {timing}"
                 self.result["graph_errors"][key] = traceback.format_exc()[-2000:]
                 log(self.result["graph_errors"][key])
-        # A tree's curve is piecewise, the only mode trees run in; a chain's the full graph
-        # (vLLM's methods at a k-token draft); the other mode's median beside it.
-        preferred = ("cuda-graph-piecewise", "cuda-graph") if shape == "tree" else \
-            ("cuda-graph", "cuda-graph-piecewise")
         timing = next((t for t in preferred if t in graphs), "eager")
         timed = graphs.get(timing, eager)
+        if timed is None:
+            host["eager"] = []
+            timed = times_ms(forward, repeats, plan.cuda, host["eager"])
         if errors:
             row["graph_vs_eager_max_abs"] = max(errors)
         for other, key in (("cuda-graph", "full_graph_ms_median"),
@@ -1062,8 +1091,10 @@ def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
                 "trees piecewise (cuda-graph-piecewise: graphs between the attention layers, "
                 "attention eager, the mode vLLM runs in while trees are on; "
                 "full_graph_ms_median beside it), else whole, else eager; eager_ms_median "
-                "beside them. Medians of "
-                f"{plan.repeats} repeats after {plan.warmup} warm-up forwards.")
+                f"beside them. Medians of {plan.repeats} repeats, in {plan.rounds} rounds over "
+                f"each curve's lengths ({plan.repeats_per_round} a round after "
+                f"{plan.warmup} warm-up forwards; each round's median in round_medians); "
+                "the medians beside them are the first round's.")
         if plan.cuda else "wall clock on CPU under the Triton interpreter: meaningless",
         method=("Random-weight LlamaForCausalLM, all layers timed. The context is prefilled "
                 "once per model (each sequence, the longest context; a shorter context is its "
@@ -1144,24 +1175,55 @@ def measure_model(run: StepCostRun, shape: ModelShape, save: Callable[[], None])
         for context in plan.contexts:
             for kind in ("chain", "tree"):
                 block = run.block(shape.name, kind, batch)
-                for n in plan.draft_lens:
-                    if time.monotonic() > run.deadline:
-                        return False
-                    where = {"model": shape.name, "shape": kind, "batch": batch,
-                             "context_tokens": context, "draft_len": n}
-                    try:
-                        row = run.measure(model, caches, kind, batch, context, n)
-                    except Exception:
-                        run.result["errors"].append({**where,
-                                                     "error": traceback.format_exc()[-1500:]})
-                        log(f"{where}: {run.result['errors'][-1]['error']}")
-                        continue
-                    block["rows"].append(row)
-                    log(f"{shape.name} {kind} batch {batch} context {context} n {n}: "
-                        f"{row['ms_per_step_median']} ms ({row['timing']}), eager "
-                        f"{row['eager_ms_median']} ms")
+                rows: dict[int, dict[str, Any]] = {}
+                # Round by round over the curve's lengths: a spell of slow host shows in a
+                # round of each row's, not in all the repeats of a few rows.
+                for rnd in range(plan.rounds):
+                    for n in plan.draft_lens:
+                        if rnd and n not in rows:
+                            continue
+                        if time.monotonic() > run.deadline:
+                            return False
+                        where = {"model": shape.name, "shape": kind, "batch": batch,
+                                 "context_tokens": context, "draft_len": n, "round": rnd}
+                        try:
+                            row = run.measure(model, caches, kind, batch, context, n,
+                                              curve_only=rnd > 0)
+                        except Exception:
+                            run.result["errors"].append(
+                                {**where, "error": traceback.format_exc()[-1500:]})
+                            log(f"{where}: {run.result['errors'][-1]['error']}")
+                            continue
+                        if rnd:
+                            add_round(rows[n], row)
+                        else:
+                            rows[n] = {**row, "round_medians": [row["ms_per_step_median"]]}
+                            block["rows"].append(rows[n])
+                        log(f"{shape.name} {kind} batch {batch} context {context} n {n} "
+                            f"round {rnd}: {row['ms_per_step_median']} ms ({row['timing']})")
             save()
     return True
+
+
+def add_round(row: dict[str, Any], again: dict[str, Any]) -> None:
+    """Folds a later round of a configuration into its row: its repeats join the row's and
+    the median is theirs. A round timed otherwise (its mode failed to capture since) is left
+    out, and counted: a curve's times come from one mode."""
+    if again["timing"] != row["timing"]:
+        row["rounds_left_out"] = row.get("rounds_left_out", 0) + 1
+        return
+    rounds = len(row["round_medians"])
+    row["round_medians"].append(again["ms_per_step_median"])
+    row["ms_per_step"] = row["ms_per_step"] + again["ms_per_step"]
+    row["ms_per_step_median"] = median(row["ms_per_step"])
+    if "graph_vs_eager_max_abs" in again:
+        row["graph_vs_eager_max_abs"] = max(row.get("graph_vs_eager_max_abs", 0.0),
+                                            again["graph_vs_eager_max_abs"])
+    timing, hosts = row["timing"], row.get("host_ms_mean", {})
+    if timing in hosts and timing in again.get("host_ms_mean", {}):
+        # Equal repeats per round: the mean of the rounds' means is the mean of them all.
+        hosts[timing] = round((hosts[timing] * rounds + again["host_ms_mean"][timing])
+                              / (rounds + 1), 4)
 
 
 def prefill(model: torch.nn.Module, caches: Caches, context: int, plan: Plan) -> None:
@@ -1302,11 +1364,18 @@ def _step_cost_lines(section: dict[str, Any]) -> list[str]:
              f"models failed (`errors` in the JSON). {section['timing']}", "",
              section["method"], ""]
     curves: dict[tuple[str, int], dict[tuple[int, int, str], float]] = {}
+    unsteady: dict[tuple[str, int], list[str]] = {}
     for block in section["blocks"]:
-        table = curves.setdefault((block["model"], block["batch"]), {})
+        key = (block["model"], block["batch"])
+        table = curves.setdefault(key, {})
         for row in block["rows"]:
             table[row["context_tokens"], row["draft_len"], block["shape"]] = \
                 row["ms_per_step_median"]
+            rounds = row.get("round_medians", [])
+            if len(rounds) > 1 and max(rounds) >= UNSTEADY_ROUNDS * min(rounds):
+                unsteady.setdefault(key, []).append(
+                    f"{block['shape']} {row['context_tokens']} n {row['draft_len']}: "
+                    + " / ".join(str(r) for r in rounds))
     for (model, batch), table in curves.items():
         columns = sorted({(context, shape) for context, _, shape in table})
         lines += [f"### {model}, batch {batch}: ms per verify step (median)", "",
@@ -1316,6 +1385,9 @@ def _step_cost_lines(section: dict[str, Any]) -> list[str]:
             lines.append(f"| {n} | " + " | ".join(str(table.get((context, n, shape), ""))
                                                   for context, shape in columns) + " |")
         lines.append("")
+        if (model, batch) in unsteady:
+            lines += [f"Rounds {UNSTEADY_ROUNDS}x apart or more (round medians, ms): "
+                      + "; ".join(unsteady[model, batch]) + ".", ""]
     return lines
 
 

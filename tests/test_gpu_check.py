@@ -74,7 +74,7 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
 def test_a_failing_configuration_is_recorded_and_the_others_measured(monkeypatch):
     pytest.importorskip("transformers")
 
-    def measure(self, model, caches, shape, batch, context, n):
+    def measure(self, model, caches, shape, batch, context, n, curve_only=False):
         if n == 2:
             raise RuntimeError("out of memory")
         return {"context_tokens": context, "draft_len": n, "ms_per_step_median": 1.0,
@@ -83,12 +83,78 @@ def test_a_failing_configuration_is_recorded_and_the_others_measured(monkeypatch
     monkeypatch.setattr(StepCostRun, "measure", measure)
     result = {}
     step_cost_section(TINY_PLAN, time.monotonic() + 600, result, lambda: None)
-    # 2 batches x 2 contexts x 2 shapes failed at n = 2; every other length was measured.
+    # 2 batches x 2 contexts x 2 shapes failed at n = 2 (its first round; the later one
+    # skipped it); every other length was measured.
     assert len(result["errors"]) == 8 and result["ok"] is False
+    assert {e["round"] for e in result["errors"]} == {0}
     assert all("out of memory" in e["error"] and e["draft_len"] == 2 for e in result["errors"])
     assert all([r["draft_len"] for r in b["rows"]] == [0, 1, 4, 0, 1, 4]
                for b in result["blocks"])
     assert result["truncated"] is False
+
+
+def test_rounds_go_over_the_curve_and_each_row_keeps_every_repeat(monkeypatch):
+    """A slow spell of the host lands in a round of every row of a curve, not in all the
+    repeats of a few (the H200's piecewise tree curve); the first round keeps the diagnostics."""
+    pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    calls = []
+
+    def measure(self, model, caches, shape, batch, context, n, curve_only=False):
+        calls.append((shape, n, curve_only))
+        ms = [10.0 + n + 100 * curve_only, 11.0 + n + 100 * curve_only]
+        row = {"context_tokens": context, "draft_len": n, "ms_per_step": ms,
+               "ms_per_step_median": sum(ms) / 2, "timing": "cuda-graph"}
+        return row if curve_only else {**row, "eager_ms_median": 50.0}
+
+    monkeypatch.setattr(StepCostRun, "measure", measure)
+    plan = replace(TINY_PLAN, contexts=(32,), batches=(1,), draft_lens=(0, 4), repeats=4)
+    result = {}
+    step_cost_section(plan, time.monotonic() + 600, result, lambda: None)
+    assert calls == [(shape, n, later) for shape in ("chain", "tree") for later in (False, True)
+                     for n in (0, 4)]
+    chain = next(b["rows"] for b in result["blocks"] if b["shape"] == "chain")
+    assert chain[1] == {"context_tokens": 32, "draft_len": 4, "timing": "cuda-graph",
+                        "ms_per_step": [14.0, 15.0, 114.0, 115.0], "ms_per_step_median": 64.5,
+                        "round_medians": [14.5, 114.5], "eager_ms_median": 50.0}
+
+
+def test_a_round_is_joined_to_its_row_only_if_timed_the_same_way():
+    from benchmarks.gpu_check import add_round
+
+    row = {"ms_per_step": [3.0, 1.0], "ms_per_step_median": 2.0, "round_medians": [2.0],
+           "timing": "cuda-graph-piecewise", "graph_vs_eager_max_abs": 0.5,
+           "host_ms_mean": {"eager": 9.0, "cuda-graph-piecewise": 4.0}}
+    add_round(row, {"ms_per_step": [8.0, 9.0], "ms_per_step_median": 8.5, "timing": "eager"})
+    assert row["rounds_left_out"] == 1 and row["ms_per_step"] == [3.0, 1.0]
+    add_round(row, {"ms_per_step": [5.0, 7.0], "ms_per_step_median": 6.0,
+                    "timing": "cuda-graph-piecewise", "graph_vs_eager_max_abs": 0.75,
+                    "host_ms_mean": {"cuda-graph-piecewise": 7.0}})
+    assert row == {"ms_per_step": [3.0, 1.0, 5.0, 7.0], "ms_per_step_median": 4.0,
+                   "round_medians": [2.0, 6.0], "timing": "cuda-graph-piecewise",
+                   "graph_vs_eager_max_abs": 0.75, "rounds_left_out": 1,
+                   "host_ms_mean": {"eager": 9.0, "cuda-graph-piecewise": 5.5}}
+
+
+def test_the_summary_lists_rows_whose_rounds_disagree():
+    section = {"truncated": False, "errors": [], "timing": "t.", "method": "m.", "blocks": [
+        {"model": "8B", "shape": "tree", "batch": 1, "rows": [
+            {"context_tokens": 512, "draft_len": 8, "ms_per_step_median": 9.3,
+             "round_medians": [9.2, 16.3, 9.3]},
+            {"context_tokens": 512, "draft_len": 16, "ms_per_step_median": 9.4,
+             "round_medians": [9.4, 9.5, 11.0]}]}]}
+    lines = gpu_check._step_cost_lines(section)
+    assert "| 8 | 9.3 |" in lines and "| 16 | 9.4 |" in lines
+    assert "Rounds 1.2x apart or more (round medians, ms): tree 512 n 8: 9.2 / 16.3 / 9.3." in lines
+
+
+def test_repeats_split_evenly_into_rounds():
+    from dataclasses import replace
+
+    assert replace(TINY_PLAN, repeats=6, rounds=3).repeats_per_round == 2
+    with pytest.raises(ValueError, match="repeats \\(5\\) must be a multiple of rounds \\(3\\)"):
+        replace(TINY_PLAN, repeats=5, rounds=3)
 
 
 def test_the_deadline_stops_the_step_cost_loop():
@@ -188,7 +254,7 @@ def test_tiny_run_measures_every_curve(tiny_run):
             (c, n) for c in plan.contexts for n in plan.draft_lens]
         for row in rows:
             assert len(row["ms_per_step"]) == plan.repeats and row["ms_per_step_median"] > 0
-            assert row["timing"] == "eager"
+            assert row["timing"] == "eager" and len(row["round_medians"]) == plan.rounds == 2
             # The tree rows of a step (SDPA's leading chain, the kernel's others) against the
             # reference, at the longest draft.
             checked = shape == "tree" and row["draft_len"] == max(plan.draft_lens)
@@ -362,7 +428,7 @@ def test_each_model_starts_with_graphs_of_its_own(monkeypatch):
 
     states = []
 
-    def measure(self, model, caches, shape, batch, context, n):
+    def measure(self, model, caches, shape, batch, context, n, curve_only=False):
         states.append((self.model_name, shape, set(self.graph_shapes)))
         # As a failed capture does.
         self.graph_shapes.discard(shape)
@@ -379,7 +445,7 @@ def test_each_model_starts_with_graphs_of_its_own(monkeypatch):
 
     monkeypatch.setattr(StepCostRun, "__init__", with_graphs)
     plan = replace(TINY_PLAN, models=(TINY, replace(TINY, name="tiny-2")), contexts=(32,),
-                   batches=(1,), draft_lens=(0, 1))
+                   batches=(1,), draft_lens=(0, 1), repeats=1, rounds=1)
     step_cost_section(plan, time.monotonic() + 600, {}, lambda: None)
     # Per model: chain at n = 0 and 1, then tree at n = 0 and 1.
     seen = [{"chain", "tree"}, {"tree"}, {"tree"}, set()]
@@ -582,7 +648,7 @@ def test_the_profile_takes_the_model_the_step_cost_section_built(monkeypatch, tm
     pytest.importorskip("transformers")
     from vllm_retrieval_spec.kernels.paged_tree_attention import paged_tree_attention_reference
 
-    def measure(self, model, caches, shape, batch, context, n):
+    def measure(self, model, caches, shape, batch, context, n, curve_only=False):
         return {"context_tokens": context, "draft_len": n, "ms_per_step_median": 1.0,
                 "ms_per_step": [1.0], "eager_ms_median": 1.0, "timing": "eager"}
 
