@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (CROWDED_MAX_TOKENS, E2E_PROMPTS, K, MAX_MODEL_LEN, generate_ids, greedy,
-                     greedy_json, make_llm, shutdown, vllm_patches_undone)
+from helpers import (CODE_STOP, CROWDED_MAX_TOKENS, E2E_PROMPTS, K, MAX_MODEL_LEN, generate_ids,
+                     greedy, greedy_json, make_llm, shutdown, vllm_patches_undone)
 
 # The CPU worker refuses to start without a KV-cache size; 1 GiB holds our short requests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -118,13 +118,15 @@ def near_limit_prompts(code_prompts) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def plain_runs(model_dir, code_prompts, near_limit_prompts, crowded_prompts, eos_prompts,
                json_prompts) -> dict[str, list[list[int]]]:
-    """Plain greedy decoding of the code prompts one request at a time ("code"), of
-    ``near_limit_prompts`` and of ``crowded_prompts`` together, and one at a time of
-    ``eos_prompts`` and (held to a JSON schema) ``json_prompts``; the engine is gone before
-    others start."""
+    """Plain greedy decoding of the code prompts one request at a time ("code"; "stop": to
+    ``CODE_STOP``), of ``near_limit_prompts`` and of ``crowded_prompts`` together, and one at a
+    time of ``eos_prompts`` and (held to a JSON schema) ``json_prompts``; the engine is gone
+    before others start."""
     llm = make_llm(model_dir, None)
     try:
         return {"code": [generate_ids(llm, [p], greedy())[0] for p in code_prompts],
+                "stop": [generate_ids(llm, [p], greedy(stop=[CODE_STOP]))[0]
+                         for p in code_prompts],
                 "near_limit": generate_ids(llm, near_limit_prompts, greedy()),
                 "crowded": generate_ids(llm, crowded_prompts, greedy(CROWDED_MAX_TOKENS)),
                 "eos": [generate_ids(llm, [p], greedy())[0] for p in eos_prompts],

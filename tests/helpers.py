@@ -157,10 +157,15 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
-def greedy(max_tokens: int = E2E_MAX_TOKENS):
+def greedy(max_tokens: int = E2E_MAX_TOKENS, **params: Any):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+
+
+#: A stop string every code prompt's greedy answer reaches within ``E2E_MAX_TOKENS`` tokens (its
+#: function's return annotation).
+CODE_STOP = "->"
 
 
 #: A JSON schema for guided decoding: lists of records repeat their keys, which drafts find.

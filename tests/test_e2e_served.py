@@ -9,8 +9,8 @@ import json
 import pytest
 
 from helpers import (
-    E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters, stats_once_stored,
-    wait_for)
+    CODE_STOP, E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters,
+    stats_once_stored, wait_for)
 from vllm_retrieval_spec.cli import main
 from vllm_retrieval_spec.datastore.format import DatastoreError, load_datastore
 from vllm_retrieval_spec.datastore.served_saver import list_snapshots
@@ -74,23 +74,30 @@ def test_served_store_learns_is_lossless_and_is_compacted_while_serving(
     main(["inspect", str(snapshot)])
 
 
-def test_a_request_is_stored_through_its_eos_and_not_past_it(model_dir, tokenizer, eos_prompts,
-                                                            plain_runs):
+def test_a_request_is_stored_through_its_eos_or_stop_string_and_not_past_it(
+        model_dir, tokenizer, eos_prompts, code_prompts, plain_runs):
     """What the store holds is what was served: each request's prompt and output through its
-    EOS. Its last step's row also holds the draft tokens accepted after the EOS, which vLLM cut
-    from the output; they were stored too (2-5 a request, more each pass, as drafts from the
-    store ran on past the EOS)."""
+    EOS, or through the token that completed its stop string. Its row also holds the draft
+    tokens its last step accepted after that, which vLLM cut from the output, and after a stop
+    string the steps run before the frontend's abort reached the engine; they were stored too
+    (after an EOS 2-5 a request, more each pass, as drafts from the store ran on past it; at
+    the stop string below, 4,218 tokens for the 4,056 served)."""
     llm = make_llm(model_dir, SPEC)
     try:
-        passes = [[generate_ids(llm, [p], greedy())[0] for p in eos_prompts] for _ in range(3)]
-        stats = stats_once_stored(llm, 3 * len(eos_prompts))
+        at_eos = [[generate_ids(llm, [p], greedy())[0] for p in eos_prompts] for _ in range(3)]
+        eos_stats = stats_once_stored(llm, 3 * len(eos_prompts))
+        at_stop = [[generate_ids(llm, [p], greedy(stop=[CODE_STOP]))[0] for p in code_prompts]
+                   for _ in range(3)]
+        stats = stats_once_stored(llm, 3 * (len(eos_prompts) + len(code_prompts)))
     finally:
         shutdown(llm)
-    expected = plain_runs["eos"]
-    assert all(output[-1] == tokenizer.eos_token_id for output in expected)
-    assert passes == [expected] * 3
-    assert stats["served_store_tokens"] == 3 * sum(
-        len(prompt) + len(output) for prompt, output in zip(eos_prompts, expected))
+    assert all(output[-1] == tokenizer.eos_token_id for output in plain_runs["eos"])
+    assert all(tokenizer.decode(output).endswith(CODE_STOP) for output in plain_runs["stop"])
+    assert at_eos == [plain_runs["eos"]] * 3 and at_stop == [plain_runs["stop"]] * 3
+    assert eos_stats["served_store_tokens"] == 3 * sum(
+        len(prompt) + len(output) for prompt, output in zip(eos_prompts, plain_runs["eos"]))
+    assert stats["served_store_tokens"] - eos_stats["served_store_tokens"] == 3 * sum(
+        len(prompt) + len(output) for prompt, output in zip(code_prompts, plain_runs["stop"]))
 
 
 def keyed(key: str | None):

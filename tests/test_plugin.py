@@ -408,6 +408,91 @@ def test_finished_requests_are_told_through_the_token_that_stopped_them():
     drafter.report_failure.assert_not_called()
 
 
+def served_through_stop_strings(tokenizer, output: str, eos_after: bool = False,
+                                **params) -> str:
+    """What ``_as_served`` keeps of a request that answered ``output`` to a one-token prompt
+    (an EOS after it where ``eos_after``), its SamplingParams ``params``: the text kept."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    from vllm_retrieval_spec.patches.drafter import _as_served
+
+    sampling = SamplingParams(**params)
+    sampling.update_from_tokenizer(tokenizer)
+    prompt = tokenizer.encode("Hi")[:1]
+    ids = tokenizer.encode(output) + [tokenizer.eos_token_id] * eos_after
+    state = SimpleNamespace(req_id="r", num_prompt_tokens=1, prompt_token_ids=prompt,
+                            prompt_embeds=None, sampling_params=sampling)
+    served = _as_served(state, np.array(prompt + ids), lambda: tokenizer)
+    assert served[:1].tolist() == prompt
+    return tokenizer.decode(served[1:])
+
+
+def test_finished_requests_are_told_through_the_token_that_completed_a_stop_string(tokenizer):
+    """vLLM's frontend cuts the output after the token that completes its first stop string
+    and aborts the request; the worker's row holds the rest of that step, and of the steps run
+    before the abort arrived. The served store is told what was served."""
+    said = "The sky is blue. The grass is green. The sun is hot."
+    assert served_through_stop_strings(tokenizer, said, stop=["grass"]) == (
+        "The sky is blue. The grass")
+    # A stop string that ends inside a token: through that token; the earliest to end wins.
+    assert served_through_stop_strings(tokenizer, said, stop=["sun", "gra"]) == (
+        "The sky is blue. The grass")
+    assert served_through_stop_strings(tokenizer, said, stop=["is", "blue"],
+                                       include_stop_str_in_output=True) == "The sky is"
+    # None before min_tokens output tokens counts (the first "is" is the third token).
+    assert served_through_stop_strings(tokenizer, said, stop=["is"], min_tokens=4) == (
+        "The sky is blue. The grass is")
+    assert served_through_stop_strings(tokenizer, said, stop=["cold"]) == said
+    # A long output is searched at its end only, what precedes it priming the decoder: the
+    # frontend aborts the request once it sees a stop string, and only the steps in flight
+    # follow (the tokens of "ant" x 600 are 600 or more).
+    from vllm_retrieval_spec.patches.drafter import STOP_STRING_WINDOW
+
+    long = " ant" * 600
+    assert STOP_STRING_WINDOW < 600 <= len(tokenizer.encode(long))
+    assert served_through_stop_strings(tokenizer, long + said, stop=["grass"]) == (
+        long + "The sky is blue. The grass")
+    assert served_through_stop_strings(tokenizer, long + said, stop=["grass"],
+                                       min_tokens=610, max_tokens=700) == long + said
+    assert served_through_stop_strings(tokenizer, said + long, stop=["grass"]) == said + long
+    # An EOS before any stop string stops it there; one after, the stop string.
+    eos = tokenizer.eos_token
+    assert served_through_stop_strings(tokenizer, said, eos_after=True, stop=["cold"]) == (
+        said + eos)
+    assert served_through_stop_strings(tokenizer, said, eos_after=True, stop=["hot"]) == (
+        said[:-1])
+
+
+def test_a_request_that_cannot_be_cut_is_told_whole_and_the_others_cut():
+    """No tokenizer here (a runner without a model config): the request with a stop string is
+    reported as a drafting failure and told whole; the one with an EOS is still cut."""
+    from unittest import mock
+
+    import numpy as np
+
+    from vllm_retrieval_spec.contract import Drafter
+    from vllm_retrieval_spec.patches.drafter import telling_finished_requests
+
+    seen = {}
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.observe_finished.side_effect = lambda req_ids, tokens: seen.update(
+        {r: t.tolist() for r, t in tokens.items()})
+    runner = SimpleNamespace(drafter=drafter, requests={
+        "stop": SimpleNamespace(req_id="stop", num_prompt_tokens=1, prompt_token_ids=[1],
+                                prompt_embeds=None, sampling_params=SimpleNamespace(
+                                    eos_token_id=None, stop=["x"])),
+        "eos": SimpleNamespace(num_prompt_tokens=1, sampling_params=SimpleNamespace(
+            eos_token_id=2))}, input_batch=SimpleNamespace(
+        req_id_to_index={"stop": 0, "eos": 1}, num_tokens_no_spec=np.array([4, 4]),
+        token_ids_cpu=np.array([[1, 5, 6, 7], [1, 2, 3, 4]])))
+    telling_finished_requests(lambda *args: None)(runner, SimpleNamespace(
+        finished_req_ids={"stop", "eos"}))
+    assert seen == {"stop": [1, 5, 6, 7], "eos": [1, 2]}
+    (failure,) = drafter.report_failure.call_args_list
+    assert failure.args[:2] == ("exception", "could not cut a finished request where it stopped")
+
+
 def test_our_drafter_drafts_in_steps_near_max_model_len():
     """vLLM skips the drafter for the whole batch while any request is within k tokens of
     max_model_len; PLD+ then missed the step's states and drafted nothing for good. Ours is

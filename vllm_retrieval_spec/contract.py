@@ -97,10 +97,10 @@ class Drafter(abc.ABC):
         so this is where what a finished request leaves (a served store's journal record) is
         written without waiting for more traffic. ``tokens``: those still in vLLM's batch,
         their tokens there (views of its buffer, read at once) through the token that stopped
-        the request (EOS or a stop token id; the batch also holds the tokens its last step
-        accepted after it, which vLLM did not serve): they include the steps vLLM called no
-        ``propose`` for (none is called while a request of the batch is within
-        ``num_speculative_tokens`` of max_model_len)."""
+        the request (EOS, a stop token id, or the one that completed a stop string; the batch
+        also holds the tokens accepted after it, which vLLM did not serve): they include the
+        steps vLLM called no ``propose`` for (none is called while a request of the batch is
+        within ``num_speculative_tokens`` of max_model_len)."""
 
     @abc.abstractmethod
     def draft_before_sampling(self, sampled: list[list[int] | None], verified: list[list[int]],

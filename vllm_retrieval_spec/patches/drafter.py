@@ -128,25 +128,70 @@ def _token_limit(state: Any) -> int | None:
     return None if max_tokens is None else state.num_prompt_tokens + max_tokens
 
 
-def _as_served(state: Any, tokens: Any) -> Any:
+#: Output tokens searched for a finished request's stop string, at its end (``_as_served``).
+STOP_STRING_WINDOW = 512
+
+
+def _as_served(state: Any, tokens: Any, tokenizer: Callable[[], Any]) -> Any:
     """A finished request's ``tokens`` (its batch row) as vLLM served them: through the first
     output token that stopped it (its EOS, unless it ignores EOS, or a stop token id: the
-    scheduler's ``check_stop``). The row also holds what the same step accepted after that
-    token, which the scheduler cut from the output. Stop strings are cut by the frontend, which
-    the worker does not hear of."""
+    scheduler's ``check_stop``), and through the token that completed its first stop string.
+    The row also holds what the same step accepted after that token, which vLLM cut from the
+    output; after a stop string, the steps run before the frontend's abort reached the engine
+    too. The frontend matches stop strings in its detokenized text, which the worker never
+    sees: vLLM's detokenizer runs here on the output as it ran there (``tokenizer()``: the
+    model's, loaded by the first request with stop strings)."""
     if state is None:
         return tokens
     import numpy as np
 
     params = state.sampling_params
+    output = tokens[state.num_prompt_tokens:]
     stops = list(getattr(params, "stop_token_ids", None) or ())
     eos = getattr(params, "eos_token_id", None)
     if eos is not None:
         stops.append(eos)
-    if not stops:
-        return tokens
-    hits = np.flatnonzero(np.isin(tokens[state.num_prompt_tokens:], stops))
-    return tokens if not len(hits) else tokens[:state.num_prompt_tokens + int(hits[0]) + 1]
+    hits = np.flatnonzero(np.isin(output, stops)) if stops else ()
+    if len(hits):
+        output = output[:int(hits[0]) + 1]
+    if getattr(params, "stop", None):
+        import copy
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+        # Only the end of a long output is searched (vLLM's detokenizer takes 2.4 us a token
+        # here): the frontend aborts a request as soon as it sees a stop string, so only the
+        # steps in flight by then follow it. What comes before primes the decoder, as the
+        # prompt does.
+        start = max(0, len(output) - STOP_STRING_WINDOW)
+        prompt = state.prompt_token_ids
+        if start <= params.min_tokens or prompt is None:
+            start = 0
+        else:
+            prompt = [*prompt, *output[:start].tolist()]
+            params = copy.copy(params)
+            params.min_tokens = 0
+        detokenizer = IncrementalDetokenizer.from_new_request(tokenizer(), SimpleNamespace(
+            request_id=state.req_id, sampling_params=params, prompt_token_ids=prompt,
+            prompt_embeds=state.prompt_embeds))
+        # The frontend leaves out of the text the token the engine stopped at.
+        detokenizer.update(output[start:].tolist(), bool(len(hits)))
+        output = output[:start + detokenizer.num_output_tokens()]
+    return tokens[:state.num_prompt_tokens + len(output)]
+
+
+def _served_row(runner: Any, drafter: Drafter, req_id: str, row: int) -> Any:
+    """The finished request's batch row as served (``_as_served``); whole where that fails: one
+    request's cut must not keep the others from the drafter."""
+    batch = runner.input_batch
+    tokens = batch.token_ids_cpu[row, :batch.num_tokens_no_spec[row]]
+    with _failures_reported(drafter, "could not cut a finished request where it stopped"):
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        return _as_served(runner.requests.get(req_id), tokens,
+                          lambda: cached_tokenizer_from_config(runner.model_config))
+    return tokens
 
 
 def _wait_for_forward(device: Any) -> int:
@@ -336,9 +381,7 @@ def telling_finished_requests(update_states: Callable) -> Callable:
                 batch = self.input_batch
                 rows = {r: batch.req_id_to_index.get(r) for r in scheduler_output.finished_req_ids}
                 drafter.observe_finished(scheduler_output.finished_req_ids, {
-                    r: _as_served(self.requests.get(r),
-                                  batch.token_ids_cpu[i, :batch.num_tokens_no_spec[i]])
-                    for r, i in rows.items() if i is not None})
+                    r: _served_row(self, drafter, r, i) for r, i in rows.items() if i is not None})
             _drafting_timer(self).add_before(time.perf_counter_ns() - start)
         return update_states(self, scheduler_output)
 
