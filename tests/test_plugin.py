@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -481,16 +482,19 @@ def test_a_request_that_cannot_be_cut_is_told_whole_and_the_others_cut():
     runner = SimpleNamespace(drafter=drafter, requests={
         "stop": SimpleNamespace(req_id="stop", num_prompt_tokens=1, prompt_token_ids=[1],
                                 prompt_embeds=None, sampling_params=SimpleNamespace(
-                                    eos_token_id=None, stop=["x"])),
+                                    eos_token_id=None, stop=["x"], min_tokens=0)),
         "eos": SimpleNamespace(num_prompt_tokens=1, sampling_params=SimpleNamespace(
             eos_token_id=2))}, input_batch=SimpleNamespace(
         req_id_to_index={"stop": 0, "eos": 1}, num_tokens_no_spec=np.array([4, 4]),
         token_ids_cpu=np.array([[1, 5, 6, 7], [1, 2, 3, 4]])))
+    raised = []
+    drafter.report_failure.side_effect = lambda *args, **kwargs: raised.append(sys.exc_info()[1])
     telling_finished_requests(lambda *args: None)(runner, SimpleNamespace(
         finished_req_ids={"stop", "eos"}))
     assert seen == {"stop": [1, 5, 6, 7], "eos": [1, 2]}
     (failure,) = drafter.report_failure.call_args_list
     assert failure.args[:2] == ("exception", "could not cut a finished request where it stopped")
+    assert "model_config" in str(raised[0])
 
 
 def test_our_drafter_drafts_in_steps_near_max_model_len():
