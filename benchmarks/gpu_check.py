@@ -961,10 +961,10 @@ class StepCostRun:
         return block
 
     def measure(self, model: torch.nn.Module, caches: Caches, shape: str, batch: int,
-                context: int, n: int, curve_only: bool = False) -> dict[str, Any]:
-        """One row of a curve: verifying n draft tokens per sequence at this context, one
-        round's repeats. ``curve_only`` (the later rounds): the curve's timing only, none of
-        the diagnostics beside it."""
+                context: int, n: int) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:
+        """One row of a curve: verifying n draft tokens per sequence at this context, its first
+        round's repeats; and what times a later round of it (``time_round``: the same forward,
+        replayed as the row's timing, not captured again)."""
         plan = self.plan
         repeats = plan.repeats_per_round
         parents = chain(n) if shape == "chain" else verify_tree(n)
@@ -973,16 +973,13 @@ class StepCostRun:
         if shape == "tree":
             row.update(tree_depth=max(node_depths(parents), default=0),
                        rows_recomputed=n - leading_chain_len(parents))
-        if forward.step.trees is not None and not curve_only:
+        if forward.step.trees is not None:
             row.update(tree_rows(forward, plan))
         for _ in range(plan.warmup):
             eager_logits = forward()
-        host: dict[str, list[float]] = {}
-        eager = None
-        if not curve_only:
-            host["eager"] = []
-            eager = times_ms(forward, repeats, plan.cuda, host["eager"])
-            row.update(eager_ms_median=median(eager))
+        host: dict[str, list[float]] = {"eager": []}
+        eager = times_ms(forward, repeats, plan.cuda, host["eager"])
+        row.update(eager_ms_median=median(eager))
         # A tree's curve is piecewise, the only mode trees run in; a chain's the full graph
         # (vLLM's methods at a k-token draft); the other mode's median beside it: vLLM
         # replays a chain as one full graph only when every row verifies
@@ -993,15 +990,17 @@ class StepCostRun:
         preferred = ("cuda-graph-piecewise", "cuda-graph") if shape == "tree" else \
             ("cuda-graph", "cuda-graph-piecewise")
         graphs: dict[str, list[float]] = {}
+        replays: dict[str, Callable[[], object]] = {"eager": forward}
         errors: list[float] = []
         for timing in preferred:
             shapes, capture, replayer = modes[timing]
             if shape not in shapes or (timing == "cuda-graph-piecewise" and shape == "chain"
-                                       and batch > 1) or (curve_only and graphs):
+                                       and batch > 1):
                 continue
             try:
-                graphs[timing], error = time_graph(forward, eager_logits, repeats,
-                                                   capture, replayer, host.setdefault(timing, []))
+                graphs[timing], error, replays[timing] = time_graph(
+                    forward, eager_logits, repeats, capture, replayer,
+                    host.setdefault(timing, []))
                 errors.append(error)
             except Exception:
                 # A forward that cannot be captured is timed otherwise, and so are the later
@@ -1012,9 +1011,6 @@ class StepCostRun:
                 log(self.result["graph_errors"][key])
         timing = next((t for t in preferred if t in graphs), "eager")
         timed = graphs.get(timing, eager)
-        if timed is None:
-            host["eager"] = []
-            timed = times_ms(forward, repeats, plan.cuda, host["eager"])
         if errors:
             row["graph_vs_eager_max_abs"] = max(errors)
         for other, key in (("cuda-graph", "full_graph_ms_median"),
@@ -1027,7 +1023,17 @@ class StepCostRun:
             row["host_ms_mean"] = {mode: times[0] for mode, times in host.items() if times}
         row.update(ms_per_step_median=median(timed), ms_per_step=[round(t, 4) for t in timed],
                    timing=timing)
-        return row
+        return row, functools.partial(self.time_round, replays[timing], timing)
+
+    def time_round(self, call: Callable[[], object], timing: str) -> dict[str, Any]:
+        """A later round of a row: ``call`` (its forward as the row was timed) repeated."""
+        host: list[float] = []
+        times = times_ms(call, self.plan.repeats_per_round, self.plan.cuda, host)
+        timed = {"timing": timing, "ms_per_step": [round(t, 4) for t in times],
+                 "ms_per_step_median": median(times)}
+        if host:
+            timed["host_ms_mean"] = {timing: host[0]}
+        return timed
 
 
 def verify_forward(model: torch.nn.Module, caches: Caches, parents: list[int], batch: int,
@@ -1066,17 +1072,19 @@ def tree_rows(forward: Forward, plan: Plan) -> dict[str, Any]:
 def time_graph(forward: Forward, eager_logits: torch.Tensor, repeats: int,
                capture: Callable[[Forward, Any], tuple[Any, torch.Tensor]] | None = None,
                replayer: Callable[[Any], Callable[[], None]] = lambda graph: graph.replay,
-               host: list[float] | None = None) -> tuple[list[float], float]:
+               host: list[float] | None = None
+               ) -> tuple[list[float], float, Callable[[], None]]:
     """Replay times of the forward captured as a CUDA graph (by ``capture``, by default whole),
     and how far its logits are from the eager forward's (the same kernels on the same inputs:
     about 0). Each capture takes a pool of its own: a pool handle reused after the graphs
     that held it were freed fails torch's allocator assertion (``use_count > 0``), and the
-    failed capture leaves the CUDA generator in capture mode (H200, torch 2.11)."""
+    failed capture leaves the CUDA generator in capture mode (H200, torch 2.11). The replay
+    comes last: it holds the graph, for later rounds."""
     graph, logits = (capture or capture_whole)(forward, torch.cuda.graph_pool_handle())
     replay = replayer(graph)
     replay()
     err = float((logits.float() - eager_logits.float()).abs().max())
-    return times_ms(replay, repeats, True, host), err
+    return times_ms(replay, repeats, True, host), err, replay
 
 
 def step_cost_section(plan: Plan, deadline: float, result: dict[str, Any],
@@ -1176,49 +1184,47 @@ def measure_model(run: StepCostRun, shape: ModelShape, save: Callable[[], None])
             for kind in ("chain", "tree"):
                 block = run.block(shape.name, kind, batch)
                 rows: dict[int, dict[str, Any]] = {}
+                # Each row's later rounds (its forward and graphs, alive until the curve ends).
+                again: dict[int, Callable[[], dict[str, Any]]] = {}
                 # Round by round over the curve's lengths: a spell of slow host shows in a
                 # round of each row's, not in all the repeats of a few rows.
                 for rnd in range(plan.rounds):
                     for n in plan.draft_lens:
-                        if rnd and n not in rows:
+                        if rnd and n not in again:
                             continue
                         if time.monotonic() > run.deadline:
                             return False
                         where = {"model": shape.name, "shape": kind, "batch": batch,
                                  "context_tokens": context, "draft_len": n, "round": rnd}
                         try:
-                            row = run.measure(model, caches, kind, batch, context, n,
-                                              curve_only=rnd > 0)
+                            if rnd:
+                                timed = again[n]()
+                                add_round(rows[n], timed)
+                            else:
+                                timed, again[n] = run.measure(model, caches, kind, batch,
+                                                              context, n)
+                                rows[n] = {**timed, "round_medians": [
+                                    timed["ms_per_step_median"]]}
+                                block["rows"].append(rows[n])
                         except Exception:
                             run.result["errors"].append(
                                 {**where, "error": traceback.format_exc()[-1500:]})
                             log(f"{where}: {run.result['errors'][-1]['error']}")
                             continue
-                        if rnd:
-                            add_round(rows[n], row)
-                        else:
-                            rows[n] = {**row, "round_medians": [row["ms_per_step_median"]]}
-                            block["rows"].append(rows[n])
                         log(f"{shape.name} {kind} batch {batch} context {context} n {n} "
-                            f"round {rnd}: {row['ms_per_step_median']} ms ({row['timing']})")
+                            f"round {rnd}: {timed['ms_per_step_median']} ms ({timed['timing']})")
+                del again
             save()
     return True
 
 
 def add_round(row: dict[str, Any], again: dict[str, Any]) -> None:
-    """Folds a later round of a configuration into its row: its repeats join the row's and
-    the median is theirs. A round timed otherwise (its mode failed to capture since) is left
-    out, and counted: a curve's times come from one mode."""
-    if again["timing"] != row["timing"]:
-        row["rounds_left_out"] = row.get("rounds_left_out", 0) + 1
-        return
+    """Folds a later round of a configuration (``StepCostRun.time_round``) into its row: its
+    repeats join the row's and the median is theirs."""
     rounds = len(row["round_medians"])
     row["round_medians"].append(again["ms_per_step_median"])
     row["ms_per_step"] = row["ms_per_step"] + again["ms_per_step"]
     row["ms_per_step_median"] = median(row["ms_per_step"])
-    if "graph_vs_eager_max_abs" in again:
-        row["graph_vs_eager_max_abs"] = max(row.get("graph_vs_eager_max_abs", 0.0),
-                                            again["graph_vs_eager_max_abs"])
     timing, hosts = row["timing"], row.get("host_ms_mean", {})
     if timing in hosts and timing in again.get("host_ms_mean", {}):
         # Equal repeats per round: the mean of the rounds' means is the mean of them all.
