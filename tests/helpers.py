@@ -214,6 +214,11 @@ def wait_for(condition, what: str, timeout_s: float = 120.0):
     return value
 
 
+def served_tokens(prompts: list[list[int]], outputs: list[list[int]]) -> int:
+    """What the served store holds once each request is stored: its prompt and its output."""
+    return sum(len(prompt) + len(output) for prompt, output in zip(prompts, outputs))
+
+
 def stats_once_stored(llm, requests: int) -> dict[str, float]:
     """The drafter's stats once its served store holds ``requests`` requests: the last one is
     stored when vLLM's next step (an empty one, after the generate call returned) says it

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import (CROWDED_MAX_TOKENS, E2E_MAX_TOKENS, MAX_MODEL_LEN, K, assert_drafting_series,
                      generate_ids, greedy, make_llm, openai_server, prometheus_samples,
-                     server_healthy, shutdown, stats_once_stored)
+                     served_tokens, server_healthy, shutdown, stats_once_stored)
 
 pytestmark = pytest.mark.e2e
 
@@ -101,5 +101,4 @@ def test_preempted_requests_decode_as_plain_and_are_served_once(model_dir, crowd
     assert preemptions > 0
     assert outputs == plain_runs["crowded"]
     assert stats["tree_steps"] > 0
-    assert stats["served_store_tokens"] == sum(
-        len(prompt) + len(output) for prompt, output in zip(crowded_prompts, outputs))
+    assert stats["served_store_tokens"] == served_tokens(crowded_prompts, outputs)

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from helpers import (
-    CODE_STOP, E2E_MAX_TOKENS, generate_ids, greedy, make_llm, shutdown, spec_counters,
-    stats_once_stored, wait_for)
+    CODE_STOP, E2E_MAX_TOKENS, generate_ids, greedy, make_llm, served_tokens, shutdown,
+    spec_counters, stats_once_stored, wait_for)
 from vllm_retrieval_spec.cli import main
 from vllm_retrieval_spec.datastore.format import DatastoreError, load_datastore
 from vllm_retrieval_spec.datastore.served_saver import list_snapshots
@@ -94,10 +94,9 @@ def test_a_request_is_stored_through_its_eos_or_stop_string_and_not_past_it(
     assert all(output[-1] == tokenizer.eos_token_id for output in plain_runs["eos"])
     assert all(tokenizer.decode(output).endswith(CODE_STOP) for output in plain_runs["stop"])
     assert at_eos == [plain_runs["eos"]] * 3 and at_stop == [plain_runs["stop"]] * 3
-    assert eos_stats["served_store_tokens"] == 3 * sum(
-        len(prompt) + len(output) for prompt, output in zip(eos_prompts, plain_runs["eos"]))
-    assert stats["served_store_tokens"] - eos_stats["served_store_tokens"] == 3 * sum(
-        len(prompt) + len(output) for prompt, output in zip(code_prompts, plain_runs["stop"]))
+    assert eos_stats["served_store_tokens"] == 3 * served_tokens(eos_prompts, plain_runs["eos"])
+    assert stats["served_store_tokens"] - eos_stats["served_store_tokens"] == 3 * served_tokens(
+        code_prompts, plain_runs["stop"])
 
 
 def keyed(key: str | None):
