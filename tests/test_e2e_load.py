@@ -1,8 +1,10 @@
-"""The OpenAI server under a bounded burst of concurrent requests (127.0.0.1 only)."""
+"""Load: the OpenAI server under a bounded burst of concurrent requests (127.0.0.1 only), a KV
+cache too small for the batch, and tensor parallelism."""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,3 +104,36 @@ def test_preempted_requests_decode_as_plain_and_are_served_once(model_dir, crowd
     assert outputs == plain_runs["crowded"]
     assert stats["tree_steps"] > 0
     assert stats["served_store_tokens"] == served_tokens(crowded_prompts, outputs)
+
+
+#: Tensor-parallel ranks: SmolLM2's 9 attention heads and 3 KV heads split in 3, not 2.
+TP_RANKS = 3
+#: What each rank's drafter counts that depends on what it drafted, not on its clock.
+DRAFTED = ("steps", "precomputed_used", "served_store_tokens", "served_store_requests",
+           "tree_steps", "tree_nodes_mean")
+
+
+def test_tensor_parallel_ranks_draft_the_same_trees_and_decode_as_plain(
+        model_dir, crowded_prompts, plain_runs, monkeypatch):
+    """Every rank runs its own drafter, and a tree's shape reaches the attention of a rank's
+    heads only through that rank's drafter (vLLM schedules rank 0's tokens): ranks that drafted
+    apart would attend other trees than the tokens verified."""
+    # vLLM-CPU binds each rank to cores of its own, and these machines may have fewer.
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND",
+                       "|".join(str(cores[rank % len(cores)]) for rank in range(TP_RANKS)))
+    prompts = crowded_prompts[:4]
+    spec = {"method": "hybrid", "num_speculative_tokens": 24, "tree": "on",
+            "tree_min_prob": 0.05}
+    llm = make_llm(model_dir, spec, tensor_parallel_size=TP_RANKS)
+    try:
+        outputs = generate_ids(llm, prompts, greedy(CROWDED_MAX_TOKENS))
+        stats_once_stored(llm, len(prompts))
+        ranks = llm.collective_rpc("rsd_drafting_stats")
+    finally:
+        shutdown(llm)
+    assert outputs == plain_runs["crowded"][:len(prompts)]
+    assert len(ranks) == TP_RANKS
+    assert ranks[0]["tree_steps"] > 0
+    drafted = [{name: rank[name] for name in DRAFTED} for rank in ranks]
+    assert drafted == [drafted[0]] * TP_RANKS

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import generate_ids, greedy, make_llm, shutdown
+from helpers import generate_ids, greedy, make_llm, shutdown, spec_counters
 from tree_oracle_proposer import SEQUENCES_ENV, TREE
 
 pytestmark = pytest.mark.e2e
@@ -38,21 +38,10 @@ def oracle_llm(model_dir, code_prompts, plain_outputs, tmp_path_factory):
             os.environ[name] = value
 
 
-def counters(llm) -> dict[str, float]:
-    values = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
-    names = {"vllm:spec_decode_num_drafts": "drafts",
-             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            values[names[metric.name]] += metric.value
-    return values
-
-
 def test_trees_one_request_at_a_time_equal_plain(oracle_llm, code_prompts, plain_outputs):
-    before = counters(oracle_llm)
+    before = spec_counters(oracle_llm)
     outputs = [generate_ids(oracle_llm, [p], greedy())[0] for p in code_prompts]
-    after = counters(oracle_llm)
+    after = spec_counters(oracle_llm)
     assert outputs == plain_outputs
     drafts = after["drafts"] - before["drafts"]
     # Trees were verified (7 nodes, where the truth is 4 tokens) and their 4-token paths,
@@ -76,9 +65,9 @@ def test_sampled_requests_trees_are_walked_along_vllms_draws(oracle_llm, code_pr
     from vllm import SamplingParams
 
     top_1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=len(plain_outputs[0]))
-    before = counters(oracle_llm)
+    before = spec_counters(oracle_llm)
     outputs = [generate_ids(oracle_llm, [p], top_1)[0] for p in code_prompts]
-    after = counters(oracle_llm)
+    after = spec_counters(oracle_llm)
     assert outputs == plain_outputs
     drafts = after["drafts"] - before["drafts"]
     assert (after["draft_tokens"] - before["draft_tokens"]) / drafts > 6
