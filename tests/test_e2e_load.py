@@ -19,6 +19,9 @@ pytestmark = pytest.mark.e2e
 #: Requests sent at once: greedy and sampled, streamed and not, in turn.
 BURST = 12
 FAULT_KINDS = ("exception", "too_long", "out_of_vocabulary", "over_budget")
+#: `hybrid` with trees that go out often on the crowded code-edit prompts.
+HYBRID_TREES = {"method": "hybrid", "num_speculative_tokens": 24, "tree": "on",
+                "tree_min_prob": 0.05}
 
 
 def complete(base: str, model: str, prompt: list[int], temperature: float,
@@ -90,9 +93,7 @@ def test_preempted_requests_decode_as_plain_and_are_served_once(model_dir, crowd
     them later. With trees and the served store, every output is still plain decoding's, and
     each request is stored once, its prompt and output exactly."""
     blocks = MAX_MODEL_LEN // 128 + 1
-    spec = {"method": "hybrid", "num_speculative_tokens": 24, "tree": "on",
-            "tree_min_prob": 0.05}
-    llm = make_llm(model_dir, spec, num_gpu_blocks_override=blocks)
+    llm = make_llm(model_dir, HYBRID_TREES, num_gpu_blocks_override=blocks)
     try:
         outputs = generate_ids(llm, crowded_prompts, greedy(CROWDED_MAX_TOKENS))
         preemptions = next(m.value for m in llm.get_metrics()
@@ -123,9 +124,7 @@ def test_tensor_parallel_ranks_draft_the_same_trees_and_decode_as_plain(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND",
                        "|".join(str(cores[rank % len(cores)]) for rank in range(TP_RANKS)))
     prompts = crowded_prompts[:4]
-    spec = {"method": "hybrid", "num_speculative_tokens": 24, "tree": "on",
-            "tree_min_prob": 0.05}
-    llm = make_llm(model_dir, spec, tensor_parallel_size=TP_RANKS)
+    llm = make_llm(model_dir, HYBRID_TREES, tensor_parallel_size=TP_RANKS)
     try:
         outputs = generate_ids(llm, prompts, greedy(CROWDED_MAX_TOKENS))
         stats_once_stored(llm, len(prompts))
