@@ -108,6 +108,17 @@ def test_model_runner_v2_is_refused_before_vllm_fails_on_it(model_dir, monkeypat
             speculative_config={"method": "hybrid", "num_speculative_tokens": 8})
 
 
+def test_async_scheduling_is_refused_naming_the_method_and_the_fix(model_dir):
+    # Before: vLLM's pydantic error listed its own methods ("only supported with EAGLE/MTP/...").
+    from vllm import LLM
+
+    with pytest.raises(ConfigError, match=r"method 'pld' drafts on the host.*drop "
+                                          r"async_scheduling=True \(--async-scheduling\)"):
+        LLM(model=model_dir, enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+            async_scheduling=True,
+            speculative_config={"method": "pld", "num_speculative_tokens": 8})
+
+
 def test_pld_plus_layer_beyond_the_model(model_dir):
     from vllm import LLM
 

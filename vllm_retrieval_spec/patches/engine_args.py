@@ -33,6 +33,7 @@ def with_retrieval_methods(create_speculative_config: Callable) -> Callable:
             validate_against_model(config, target_model_config)
             refuse_pipeline_parallelism(config.method, target_parallel_config)
             refuse_model_runner_v2(config.method)
+            refuse_async_scheduling(config.method, self.async_scheduling)
             if not current_platform.is_cpu():
                 piecewise_cuda_graphs(self.compilation_config, config.drafts_trees)
             self.additional_config = {**(self.additional_config or {}),
@@ -70,6 +71,19 @@ def refuse_model_runner_v2(method: str) -> None:
             f"method {method!r} runs on vLLM's Model Runner V1, which takes custom drafters, "
             "and VLLM_USE_V2_MODEL_RUNNER=1 selects V2, which has none: unset "
             "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
+
+
+def refuse_async_scheduling(method: str, async_scheduling: bool | None) -> None:
+    """vLLM 0.32 schedules a step before the last one's tokens are known only for drafters that
+    draft on the device (EAGLE, MTP, draft models, ``ngram_gpu``); ours draft on the host from
+    the sampled tokens, like ``ngram`` and ``suffix``. Unset, vLLM turns async scheduling off for
+    them; asked for, its error lists its own methods, not the user's, nor the fix."""
+    if async_scheduling:
+        raise ConfigError(
+            f"method {method!r} drafts on the host from each step's sampled tokens, and vLLM "
+            "0.32's async scheduling takes only drafters that draft on the device (EAGLE, MTP, "
+            "draft models, ngram_gpu): drop async_scheduling=True (--async-scheduling); vLLM "
+            "leaves it off for this method")
 
 
 #: vLLM's flags for single speculative_config keys, which the method we wrap folds into the dict
