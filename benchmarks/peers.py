@@ -46,7 +46,7 @@ class SuffixPeer:
         self.prompt_lens: dict[str, int] = {}
 
     def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None,
-                      token_limits: Any = None) -> None:
+                      token_limits: Any = None, known_from: Any = None) -> None:
         self.req_ids = req_ids
         self.prompt_lens = {r: n for r, n in self.prompt_lens.items() if r in set(req_ids)}
 
@@ -97,7 +97,7 @@ class NgramPeer:
         self.trees: dict[str, Any] = {}  # no trees
 
     def observe_batch(self, req_ids: list[str], tree_rows: Any = None, keys: Any = None,
-                      token_limits: Any = None) -> None:
+                      token_limits: Any = None, known_from: Any = None) -> None:
         pass
 
     def observe_finished(self, req_ids: set[str], tokens: Any = None) -> None:

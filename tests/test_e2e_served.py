@@ -106,21 +106,37 @@ def keyed(key: str | None):
                           extra_args=None if key is None else {"served_store_key": key})
 
 
+def prompt_embeddings(model_dir, prompts) -> list:
+    """The model's input embeddings of each prompt (what vLLM's embedding layer computes)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    with safe_open(Path(model_dir) / "model.safetensors", "pt") as weights:
+        table = weights.get_tensor("model.embed_tokens.weight")
+    return [table[p] for p in prompts]
+
+
 def test_per_request_stores_learn_only_from_the_same_key(model_dir, code_prompts,
                                                           plain_outputs):
     """``served_store: "per_request"``: a second pass with the same key is drafted from the
-    first; a pass with another key is not; requests without a key are never stored."""
-    llm = make_llm(model_dir, {**SPEC, "served_store": "per_request"})
+    first; a pass with another key is not; requests without a key are never stored. The other
+    key's prompts come as embeddings: vLLM's batch row then keeps the first key's tokens under
+    them, which must neither draft nor be stored (before: stored, 1,206 tokens more)."""
+    llm = make_llm(model_dir, {**SPEC, "served_store": "per_request"}, enable_prompt_embeds=True)
+    embedded = prompt_embeddings(model_dir, code_prompts)
 
-    def one_pass(key):
+    def one_pass(key, embeddings=False):
         before = spec_counters(llm)["accepted"]
-        outputs = [generate_ids(llm, [p], keyed(key))[0] for p in code_prompts]
+        outputs = [list(llm.generate([{"prompt_embeds": e} if embeddings else
+                                      {"prompt_token_ids": p}], keyed(key), use_tqdm=False)[0]
+                        .outputs[0].token_ids) for p, e in zip(code_prompts, embedded)]
         return outputs, spec_counters(llm)["accepted"] - before
 
     try:
         first, first_accepted = one_pass("x")
         second, second_accepted = one_pass("x")
-        other, other_accepted = one_pass("y")
+        other, other_accepted = one_pass("y", embeddings=True)
         anonymous, _ = one_pass(None)
         stats = llm.collective_rpc("rsd_drafting_stats")[0]
     finally:
@@ -130,9 +146,11 @@ def test_per_request_stores_learn_only_from_the_same_key(model_dir, code_prompts
     assert second_accepted > first_accepted and second_accepted >= 0.75 * total
     # "y" starts from nothing, as "x" did: it is not drafted from "x"'s outputs.
     assert other_accepted <= first_accepted + 0.1 * total < second_accepted
-    # Two passes under "x", one under "y" (its last request left as the anonymous pass began).
+    # Two passes under "x", one under "y" (its last request left as the anonymous pass began):
+    # "x"'s prompts and outputs, "y"'s outputs only.
     assert stats["served_store_keys"] == 2
     assert stats["served_store_requests"] == 3 * len(code_prompts)
+    assert stats["served_store_tokens"] == 2 * served_tokens(code_prompts, plain_outputs) + total
 
 
 def test_served_dense_store_indexes_generated_states_and_stays_lossless(

@@ -198,13 +198,64 @@ def test_observe_batch_hands_served_store_keys_only_to_drafters_that_ask():
         assert sample(runner, None, None) == "sampled"
         drafter.draft_before_sampling.assert_not_called()
     # And how many tokens each may reach, prompt included (None: max_model_len alone).
-    assert seen == [(["a", "b", "c"], None, ["tenant-1", None, "7"], [8, None, 21]),
-                    (["a", "b", "c"], None, None, [8, None, 21])]
+    # No prompt came as embeddings: every token id is known (None).
+    assert seen == [(["a", "b", "c"], None, ["tenant-1", None, "7"], [8, None, 21], None),
+                    (["a", "b", "c"], None, None, [8, None, 21], None)]
     # vLLM's own drafters are left alone.
     runner = SimpleNamespace(drafter=SimpleNamespace(), requests=requests,
                              input_batch=SimpleNamespace(req_ids=["a"]))
     assert sample(runner, None, None) == "sampled"
 
+
+
+def test_the_drafter_hears_where_each_row_s_token_ids_begin_and_never_reads_the_rest():
+    """vLLM writes no token id into its row for prompt positions given as embeddings
+    (``prompt_embeds``, or embedding parts of a prompt: ``is_token_ids`` False there): they
+    keep an earlier request's tokens. The drafter hears, per row, the first position from which
+    every id is known, and a finished request's row comes with ``UNKNOWN_TOKEN`` before it."""
+    from unittest import mock
+
+    import numpy as np
+
+    from vllm_retrieval_spec.contract import UNKNOWN_TOKEN, Capabilities, Drafter
+    from vllm_retrieval_spec.patches.drafter import (
+        telling_finished_requests, with_drafts_before_sampling)
+
+    def state(prompt_len, embeds=None, is_token_ids=None):
+        return SimpleNamespace(num_prompt_tokens=prompt_len, prompt_embeds=embeds,
+                               prompt_is_token_ids=is_token_ids, prompt_token_ids=None,
+                               sampling_params=SimpleNamespace(
+                                   extra_args=None, max_tokens=None, eos_token_id=None))
+
+    # Row 0 an earlier request's leftovers (9s) under a 4-position embedded prompt; row 1 ids
+    # only; row 2 a mixed prompt (ids, an embedding, ids).
+    requests = {"embeds": state(4, embeds=object()), "ids": state(2),
+                "mixed": state(4, is_token_ids=[True, False, True, True])}
+    token_ids = np.array([[9, 9, 9, 9, 5, 6], [1, 2, 3, 0, 0, 0], [7, 9, 8, 7, 4, 0]])
+    is_token_ids = np.array([[False] * 4 + [True] * 2, [True] * 6, [True, False] + [True] * 4])
+    batch = SimpleNamespace(req_ids=["embeds", "ids", "mixed"], token_ids_cpu=token_ids,
+                            is_token_ids=is_token_ids, num_tokens_no_spec=np.array([6, 3, 5]),
+                            req_id_to_index={"embeds": 0, "ids": 1, "mixed": 2})
+    drafter = mock.create_autospec(Drafter, instance=True)
+    drafter.capabilities = Capabilities()
+    runner = SimpleNamespace(drafter=drafter, requests=requests, input_batch=batch)
+    with_drafts_before_sampling(lambda runner, logits, metadata: None)(runner, None, None)
+    assert drafter.observe_batch.call_args.args[4] == [4, 0, 2]
+    # A batch without embedded prompts: None, and no row is read for it.
+    runner.requests = {r: state(2) for r in requests}
+    with_drafts_before_sampling(lambda runner, logits, metadata: None)(runner, None, None)
+    assert drafter.observe_batch.call_args.args[4] is None
+
+    runner.requests = requests
+    told = {}
+    drafter.observe_finished.side_effect = lambda req_ids, tokens: told.update(
+        {r: t.tolist() for r, t in tokens.items()})
+    telling_finished_requests(lambda *args: None)(runner, SimpleNamespace(
+        finished_req_ids={"embeds", "ids", "mixed"}))
+    unknown = UNKNOWN_TOKEN
+    assert told == {"embeds": [unknown] * 4 + [5, 6], "ids": [1, 2, 3],
+                    "mixed": [unknown, unknown, 8, 7, 4]}
+    assert token_ids[0, 0] == 9  # vLLM's row itself is left alone
 
 
 def test_a_row_whose_token_vllm_discards_samples_nothing_before_sampling():

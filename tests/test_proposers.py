@@ -545,3 +545,35 @@ def test_hybrid_per_request_stores_learn_only_within_a_key():
         assert drafts == [[12, 13, 14, 15], [], []]
     finally:
         proposer.close()
+
+
+@pytest.mark.parametrize("path", ["after_sampling", "before_sampling", "precomputed"])
+def test_a_prompt_given_as_embeddings_is_neither_drafted_from_nor_stored(path):
+    """vLLM's row under a prompt given as embeddings holds an earlier request's tokens (here
+    another tenant's: 50..55). ``observe_batch``'s ``known_from`` says where the request's own
+    ids begin: its drafts come from its own output only, however they are made, and its store
+    keeps its output only (before, "b" was drafted 51..53, and its store kept the leftovers)."""
+    options = {"method": "hybrid", "num_speculative_tokens": 3, "served_store": "per_request",
+               "served_prompts": True, "min_draft_len": 1,
+               "precompute_drafts": path == "precomputed",
+               "draft_before_sampling": path == "before_sampling"}
+    proposer = RetrievalProposer(vllm_config(options))
+    try:
+        # "b" (tenant "y"): 6 prompt positions as embeddings, then it samples 50, 60, 50.
+        tokens, _ = batch([50, 51, 52, 53, 54, 55, 50, 60, 50])
+        drafts = []
+        for n in (7, 8, 9):
+            proposer.observe_batch(["b"], None, ["y"], None, [6])
+            sampled = [[int(tokens[0, n - 1])]]
+            if path == "before_sampling":
+                proposer.draft_before_sampling(sampled, [[]], np.array([n - 1]), tokens)
+            drafts += proposer.propose(sampled, np.array([n]), tokens)
+            proposer.after_handover()
+        # From its own output: 50 was followed by 60, never by the leftovers' 51.
+        assert drafts == [[], [], [60, 50]]
+        proposer.observe_finished({"b"})
+        store = proposer.method.learning.keyed.get("y")
+        assert store.wait_indexed()
+        assert [d.tolist() for d in store.documents()] == [[50, 60, 50]]
+    finally:
+        proposer.close()

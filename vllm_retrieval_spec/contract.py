@@ -62,6 +62,11 @@ class Capabilities:
     trees: bool = False
 
 
+#: What a drafter reads at a position whose token id is unknown (``Drafter.observe_batch``):
+#: negative, as the datastores' separators, so that no match runs over it.
+UNKNOWN_TOKEN = -1
+
+
 class Drafter(abc.ABC):
     """What the plugin calls on ``runner.drafter`` (see the step above)."""
 
@@ -83,11 +88,15 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None,
                       served_keys: list[str | None] | None,
-                      token_limits: list[int | None] | None) -> None:
+                      token_limits: list[int | None] | None,
+                      known_from: list[int] | None = None) -> None:
         """Before sampling, every step: which request is in which row, which rows may get a
-        tree, (``served_store_keys``) each row's served-store key, and how many tokens each
+        tree, (``served_store_keys``) each row's served-store key, how many tokens each
         request may reach, its prompt included (its max_tokens; None: no limit but
-        max_model_len)."""
+        max_model_len), and (None: 0 for every row) the first position of each row from which
+        every token id is known. Prompt positions given as embeddings (``prompt_embeds``) have
+        none: vLLM's row holds whatever an earlier request left there, which the drafter must
+        neither draft from nor store; it reads them as ``UNKNOWN_TOKEN``."""
 
     @abc.abstractmethod
     def observe_finished(self, req_ids: set[str],
@@ -100,7 +109,8 @@ class Drafter(abc.ABC):
         the request (EOS, a stop token id, or the one that completed a stop string; the batch
         also holds the tokens accepted after it, which vLLM did not serve): they include the
         steps vLLM called no ``propose`` for (none is called while a request of the batch is
-        within ``num_speculative_tokens`` of max_model_len)."""
+        within ``num_speculative_tokens`` of max_model_len), with ``UNKNOWN_TOKEN`` where no
+        token id is known (see ``observe_batch``)."""
 
     @abc.abstractmethod
     def draft_before_sampling(self, sampled: list[list[int] | None], verified: list[list[int]],

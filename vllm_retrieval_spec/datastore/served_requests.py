@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from vllm_retrieval_spec.contract import UNKNOWN_TOKEN
 from vllm_retrieval_spec.datastore.served import KeyedServedStores, ServedStore
 from vllm_retrieval_spec.datastore.served_dense import ServedDenseStore
 
@@ -45,9 +46,11 @@ class ServedRequests:
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]],
                 num_tokens: np.ndarray, token_ids: np.ndarray,
                 keys: Sequence[Hashable | None] | None = None,
-                states: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None) -> None:
+                states: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None,
+                known_from: Sequence[int] = ()) -> None:
         """Record this step's tokens of every row that sampled (rows are ``req_ids``' order;
-        ``token_ids[i]`` holds row i's tokens, at least its ``num_tokens[i]``).
+        ``token_ids[i]`` holds row i's tokens, at least its ``num_tokens[i]``, their ids known
+        from position ``known_from[i]`` on, 0 where not given: ``Drafter.observe_batch``).
         With ``KeyedServedStores``, ``keys`` names each row's store; rows without a key are
         not recorded. ``states[i]``: row i's final hidden states of this step and the context
         positions they are at (for the dense store)."""
@@ -69,6 +72,8 @@ class ServedRequests:
                 prompt_len = n - len(sampled) if known is None else known[0]
                 buffer = np.empty(max(2 * n, 64), dtype=np.int32)
                 buffer[:n] = token_ids[i][:n]
+                if i < len(known_from):
+                    buffer[:min(known_from[i], n)] = UNKNOWN_TOKEN
                 # Resumed after preemption: its context is recomputed, its states start over.
                 self.states.pop(req_id, None)
             else:
@@ -91,12 +96,15 @@ class ServedRequests:
                final: Mapping[str, np.ndarray] | None = None) -> None:
         """Hand these requests to the store (those tracked: a request seen by no step has
         nothing to store). ``final``: a request's every token, where known (vLLM's batch row):
-        it also holds the tokens of steps not ``observe``d."""
+        it also holds the tokens of steps not ``observe``d. What is stored starts after the
+        last ``UNKNOWN_TOKEN`` (a prompt given as embeddings)."""
         for req_id in [r for r in req_ids if r in self.running]:
             prompt_len, buffer, length = self.running.pop(req_id)
-            start = 0 if self.include_prompts else prompt_len
             if final is not None and req_id in final:
                 buffer, length = final[req_id], len(final[req_id])
+            unknown = np.flatnonzero(buffer[:prompt_len] == UNKNOWN_TOKEN)
+            start = max(0 if self.include_prompts else prompt_len,
+                        int(unknown[-1]) + 1 if len(unknown) else 0)
             tokens = buffer[start:length]
             steps = self.states.pop(req_id, None)
             key = self.keys.pop(req_id, None)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_retrieval_spec.contract import MethodDrafter
+from vllm_retrieval_spec.contract import UNKNOWN_TOKEN, MethodDrafter
 from vllm_retrieval_spec.drafting.lengths import DraftLengths
 from vllm_retrieval_spec.drafting.overlap import (
     NextDrafts, ReadyDraft, precompute_plan, same_snapshot)
@@ -73,9 +73,10 @@ class DraftAhead:
     def before_sampling(self, sampled: list[list[int] | None], num_tokens_no_spec: np.ndarray,
                         token_ids_cpu: np.ndarray, row_req_ids: list[str],
                         last_trees: Container[str], tree_of_row: Callable[[int], bool],
-                        pad: bool) -> None:
+                        pad: bool, known_from: Callable[[int], int] = lambda row: 0) -> None:
         """Row i will sample ``sampled[i]`` (None where not known) and has
-        ``num_tokens_no_spec[i]`` tokens before them: its next draft, made now, padded as
+        ``num_tokens_no_spec[i]`` tokens before them, their ids known from position
+        ``known_from(i)`` (``Drafter.observe_batch``): its next draft, made now, padded as
         ``propose`` would pad it, becomes that row's ``ReadyDraft``. Rows whose last draft was a
         tree (in ``last_trees``: the verifier picks the accepted path, which need not follow the
         chain) and rows with precomputed drafts already are left alone."""
@@ -91,6 +92,7 @@ class DraftAhead:
             base = int(num_tokens_no_spec[i])
             context = np.concatenate([token_ids_cpu[i, :base],
                                       np.asarray(tokens, dtype=token_ids_cpu.dtype)])
+            context[:known_from(i)] = UNKNOWN_TOKEN
             # As propose's update: acceptance of the last draft as drafted.
             last_drafted = self.lengths.last_drafted.get(req_id, 0)
             max_len = self.lengths.max_len(

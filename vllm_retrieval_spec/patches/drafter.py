@@ -101,9 +101,12 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
         from vllm_retrieval_spec.datastore.served import served_store_key
 
         keys = [served_store_key(p) for p in params]
+    known_from = None
+    if any(_has_embedded_prompt(state) for state in states):
+        known_from = [_known_from(runner.input_batch, state, i) for i, state in enumerate(states)]
     drafter.observe_batch(req_ids, [tree_eligible(p) for p in params]
                           if verifier is not None else None, keys,
-                          [_token_limit(state) for state in states])
+                          [_token_limit(state) for state in states], known_from)
     waited = 0
     if before_sampling and logits is not None and any(greedy):
         from vllm_retrieval_spec.drafting.overlap import row_argmax, sampled_before_sampling
@@ -120,6 +123,24 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
         drafter.draft_before_sampling(sampled, verified, runner.input_batch.num_tokens_no_spec,
                                       runner.input_batch.token_ids_cpu)
     _drafting_timer(runner).add_before(time.perf_counter_ns() - start - waited)
+
+
+def _has_embedded_prompt(state: Any) -> bool:
+    """Whether some of the request's prompt came as embeddings, without token ids."""
+    return state is not None and (getattr(state, "prompt_embeds", None) is not None
+                                  or getattr(state, "prompt_is_token_ids", None) is not None)
+
+
+def _known_from(input_batch: Any, state: Any, row: int) -> int:
+    """The first position of batch row ``row`` from which every token id is known: vLLM
+    writes none into its row for prompt positions given as embeddings (``is_token_ids``), which
+    keep an earlier request's tokens."""
+    if not _has_embedded_prompt(state):
+        return 0
+    import numpy as np
+
+    unknown = np.flatnonzero(~input_batch.is_token_ids[row, :state.num_prompt_tokens])
+    return int(unknown[-1]) + 1 if len(unknown) else 0
 
 
 def _token_limit(state: Any) -> int | None:
@@ -185,12 +206,18 @@ def _served_row(runner: Any, drafter: Drafter, req_id: str, row: int) -> Any:
     """The finished request's batch row as served (``_as_served``); whole where that fails: one
     request's cut must not keep the others from the drafter."""
     batch = runner.input_batch
+    state = runner.requests.get(req_id)
     tokens = batch.token_ids_cpu[row, :batch.num_tokens_no_spec[row]]
+    known_from = _known_from(batch, state, row)
+    if known_from:
+        from vllm_retrieval_spec.contract import UNKNOWN_TOKEN
+
+        tokens = tokens.copy()
+        tokens[:known_from] = UNKNOWN_TOKEN
     with _failures_reported(drafter, "could not cut a finished request where it stopped"):
         from vllm.tokenizers import cached_tokenizer_from_config
 
-        return _as_served(runner.requests.get(req_id), tokens,
-                          lambda: cached_tokenizer_from_config(runner.model_config))
+        return _as_served(state, tokens, lambda: cached_tokenizer_from_config(runner.model_config))
     return tokens
 
 

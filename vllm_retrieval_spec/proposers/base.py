@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from vllm_retrieval_spec.config import PLUGIN_KEY, MethodConfig, config_from_dict
-from vllm_retrieval_spec.contract import Drafter, MethodDrafter
+from vllm_retrieval_spec.contract import UNKNOWN_TOKEN, Drafter, MethodDrafter
 from vllm_retrieval_spec.drafting.adaptive import drafting_off
 from vllm_retrieval_spec.drafting.ahead import DraftAhead
 from vllm_retrieval_spec.drafting.guard import DraftFailures, DraftGuard
@@ -48,6 +48,8 @@ class SampledStep:
     #: Request id -> tree, for the drafts this step verified that were trees (handed out by the
     #: last ``propose``): their accepted tokens' states are not contiguous.
     trees: dict[str, TreeDraft]
+    #: Each row's first position with a known token id (``Drafter.observe_batch``; empty: 0).
+    known_from: list[int] = dataclasses.field(default_factory=list)
 
 
 def model_placement(model: Any) -> tuple[Any, Any]:
@@ -101,6 +103,9 @@ class RetrievalProposer(Drafter):
         self.row_req_ids: list[str] = []
         #: Whether each batch row may get a tree this step (``observe_batch``).
         self.tree_rows: list[bool] = []
+        #: Each batch row's first position with a known token id (``observe_batch``; empty:
+        #: 0 for every row).
+        self.known_from: list[int] = []
         self.trees: dict[str, TreeDraft] = {}
         #: The hidden states of the rows vLLM samples this step (``search_ahead``), until
         #: ``draft_before_sampling`` uses them.
@@ -130,9 +135,11 @@ class RetrievalProposer(Drafter):
 
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None = None,
                       served_keys: list[str | None] | None = None,
-                      token_limits: list[int | None] | None = None) -> None:
+                      token_limits: list[int | None] | None = None,
+                      known_from: list[int] | None = None) -> None:
         self.row_req_ids = req_ids
         self.tree_rows = tree_rows or []
+        self.known_from = known_from or []
         self.settle()
         self.ahead.begin_batch(req_ids)
         self.lengths.forget_except(req_ids)
@@ -175,7 +182,7 @@ class RetrievalProposer(Drafter):
         # propose pads the drafts of a request decoding alone.
         pad = self.lengths.step_costs is not None and len(sampled) == 1
         self.ahead.before_sampling(sampled, num_tokens_no_spec, token_ids_cpu, self.row_req_ids,
-                                   self.trees, self._tree_row, pad)
+                                   self.trees, self._tree_row, pad, self._known_from)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
@@ -227,7 +234,7 @@ class RetrievalProposer(Drafter):
         self.ahead.row_ahead = []
         self.method.observe_sampled(SampledStep(
             self.row_req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-            self.ahead.ready_used, verified_trees))
+            self.ahead.ready_used, verified_trees, self.known_from))
         return drafts
 
     def _propose_row(self, i: int, sampled: list[int], num_tokens: int,
@@ -241,16 +248,30 @@ class RetrievalProposer(Drafter):
             ahead = None
         made = None if ahead is None else ahead.take(sampled, num_tokens, self.method.snapshot(i),
                                                      ([], None))
+        context = self._context(i, token_ids_cpu, num_tokens)
         if made is not None:
             draft, tree = self._take_precomputed(req_id, sampled,
                                                  ahead.max_lens[len(sampled) - 1], made)
         else:
             if ahead is not None:
                 self.ahead.precomputed["missed"] += 1
-            draft, tree = self._draft_now(i, req_id, sampled, token_ids_cpu[i, :num_tokens])
+            draft, tree = self._draft_now(i, req_id, sampled, context)
         if req_id is None:
             return draft
-        return self._hand_out(i, req_id, draft, tree, token_ids_cpu[i, :num_tokens], pad)
+        return self._hand_out(i, req_id, draft, tree, context, pad)
+
+    def _known_from(self, row: int) -> int:
+        return self.known_from[row] if row < len(self.known_from) else 0
+
+    def _context(self, row: int, token_ids_cpu: np.ndarray, num_tokens: int) -> np.ndarray:
+        """Row ``row``'s tokens: a view of vLLM's buffer, or a copy with ``UNKNOWN_TOKEN``
+        where its prompt came as embeddings (``observe_batch``)."""
+        context = token_ids_cpu[row, :num_tokens]
+        known_from = self._known_from(row)
+        if known_from:
+            context = context.copy()
+            context[:known_from] = UNKNOWN_TOKEN
+        return context
 
     def _hand_ready(self, i: int, req_id: str, ready: ReadyDraft, pad: bool) -> list[int]:
         """A draft made before sampling, for exactly what the row sampled: its bookkeeping

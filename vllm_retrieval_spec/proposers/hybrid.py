@@ -291,7 +291,7 @@ class HybridDrafter(MethodDrafter):
         else:
             learning.requests.observe(step.req_ids, step.sampled, step.num_tokens,
                                       step.token_ids, learning.row_keys,
-                                      self.accepted_states(step))
+                                      self.accepted_states(step), step.known_from)
 
     def accepted_states(self, step: Any) -> list[tuple[np.ndarray, np.ndarray] | None] | None:
         """For the served dense store: each row's final hidden states of this step's sampled
