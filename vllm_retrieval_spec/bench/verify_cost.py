@@ -42,23 +42,30 @@ class RejectedDraftProposer:
 
 
 def measure(model: str, text: list[int], contexts: list[int], lengths: list[int], repeats: int,
-            max_tokens: int, progress_file: Any = None) -> list[dict[str, Any]]:
+            max_tokens: int, progress_file: Any = None,
+            dtype: str | None = None) -> list[dict[str, Any]]:
     """Median ms per step for every (context length, draft length), each context the start of
     ``text`` (``calibration_text``, which the caller has checked the plan against); a progress
-    bar on ``progress_file`` (default stderr)."""
+    bar on ``progress_file`` (default stderr). The engine runs as ours serve
+    (``engine.timed_engine_args``: on a GPU, PIECEWISE CUDA graphs), in ``dtype`` (default:
+    float32 on vLLM-CPU, as this project's benchmarks; the model's own elsewhere)."""
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
+    from vllm_retrieval_spec.bench.engine import timed_engine_args
     from vllm_retrieval_spec.bench.tasks import MAX_MODEL_LEN
 
+    is_cpu = current_platform.is_cpu()
     length_file = Path(tempfile.mkdtemp()) / "draft-length"
     length_file.write_text("0")
     os.environ[LENGTH_FILE_ENV] = str(length_file)
-    llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=MAX_MODEL_LEN,
-              seed=0,
+    llm = LLM(model=model, dtype=dtype or ("float32" if is_cpu else "auto"),
+              max_model_len=MAX_MODEL_LEN, seed=0,
               speculative_config={"method": "custom_class",
                                   "model": f"{__name__}.RejectedDraftProposer",
-                                  "num_speculative_tokens": max(lengths)})
+                                  "num_speculative_tokens": max(lengths)},
+              **timed_engine_args(is_cpu, piecewise=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     times: dict[tuple[int, int], list[float]] = {}
     runs = [(context, length) for _ in range(repeats) for context in contexts
