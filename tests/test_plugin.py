@@ -230,23 +230,23 @@ def test_the_drafter_hears_where_each_row_s_token_ids_begin_and_never_reads_the_
     # Row 0 an earlier request's leftovers (9s) under a 4-position embedded prompt; row 1 ids
     # only; row 2 a mixed prompt (ids, an embedding, ids).
     requests = {"embeds": state(4, embeds=object()), "ids": state(2),
-                "mixed": state(4, is_token_ids=[True, False, True, True])}
+                "mixed": state(4, embeds=object(), is_token_ids=[True, False, True, True])}
     token_ids = np.array([[9, 9, 9, 9, 5, 6], [1, 2, 3, 0, 0, 0], [7, 9, 8, 7, 4, 0]])
     is_token_ids = np.array([[False] * 4 + [True] * 2, [True] * 6, [True, False] + [True] * 4])
     batch = SimpleNamespace(req_ids=["embeds", "ids", "mixed"], token_ids_cpu=token_ids,
                             is_token_ids=is_token_ids, num_tokens_no_spec=np.array([6, 3, 5]),
-                            req_id_to_index={"embeds": 0, "ids": 1, "mixed": 2})
+                            req_id_to_index={"embeds": 0, "ids": 1, "mixed": 2},
+                            req_prompt_embeds={0: object(), 2: object()})
     drafter = mock.create_autospec(Drafter, instance=True)
     drafter.capabilities = Capabilities()
     runner = SimpleNamespace(drafter=drafter, requests=requests, input_batch=batch)
     with_drafts_before_sampling(lambda runner, logits, metadata: None)(runner, None, None)
     assert drafter.observe_batch.call_args.args[4] == [4, 0, 2]
-    # A batch without embedded prompts: None, and no row is read for it.
-    runner.requests = {r: state(2) for r in requests}
+    # A batch without embedded prompts: None, and no request is asked.
+    batch.req_prompt_embeds = {}
     with_drafts_before_sampling(lambda runner, logits, metadata: None)(runner, None, None)
     assert drafter.observe_batch.call_args.args[4] is None
 
-    runner.requests = requests
     told = {}
     drafter.observe_finished.side_effect = lambda req_ids, tokens: told.update(
         {r: t.tolist() for r, t in tokens.items()})

@@ -102,7 +102,9 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
 
         keys = [served_store_key(p) for p in params]
     known_from = None
-    if any(_has_embedded_prompt(state) for state in states):
+    # Every request with embeddings in its prompt has its row here: one look on the critical
+    # path, not one a request.
+    if getattr(runner.input_batch, "req_prompt_embeds", None):
         known_from = [_known_from(runner.input_batch, state, i) for i, state in enumerate(states)]
     drafter.observe_batch(req_ids, [tree_eligible(p) for p in params]
                           if verifier is not None else None, keys,
@@ -125,17 +127,12 @@ def _before_sampling(runner: Any, drafter: Drafter, logits: Any,
     _drafting_timer(runner).add_before(time.perf_counter_ns() - start - waited)
 
 
-def _has_embedded_prompt(state: Any) -> bool:
-    """Whether some of the request's prompt came as embeddings, without token ids."""
-    return state is not None and (getattr(state, "prompt_embeds", None) is not None
-                                  or getattr(state, "prompt_is_token_ids", None) is not None)
-
-
 def _known_from(input_batch: Any, state: Any, row: int) -> int:
     """The first position of batch row ``row`` from which every token id is known: vLLM
     writes none into its row for prompt positions given as embeddings (``is_token_ids``), which
-    keep an earlier request's tokens."""
-    if not _has_embedded_prompt(state):
+    keep an earlier request's tokens (or, in a prompt mixing ids and embeddings, a placeholder
+    id that may lie outside the vocabulary). Such a prompt always has ``prompt_embeds``."""
+    if state is None or getattr(state, "prompt_embeds", None) is None:
         return 0
     import numpy as np
 
