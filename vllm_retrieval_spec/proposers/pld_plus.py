@@ -77,14 +77,16 @@ class PldPlusDrafter(MethodDrafter):
         get no draft until their states are complete again (a recompute from position 0).
         """
         try:
-            states = aux_hidden_states[0]
+            # One copy to the host for the step (on a GPU each copy waits for the device), its
+            # rejected draft tokens' rows included.
+            end = max((offset + count for _, offset, count in segments), default=0)
+            states = aux_hidden_states[0][:end].float().cpu().numpy()
             for req_id, (position, offset, count) in zip(req_ids, segments):
                 cache = self.caches.get(req_id)
                 if cache is None:
                     cache = self.caches[req_id] = HiddenStateCache(self.hidden_size,
                                                                    self.max_model_len)
-                rows = states[offset:offset + count].float().cpu().numpy()
-                cache.write(position, unit_rows(rows))
+                cache.write(position, unit_rows(states[offset:offset + count]))
         except Exception:
             self.report("exception", "could not record hidden states", exc_info=True)
             self.caches.clear()
