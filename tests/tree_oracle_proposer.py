@@ -42,7 +42,8 @@ class TreeOracleProposer(Drafter):
 
     def observe_batch(self, req_ids: list[str], tree_rows: list[bool] | None,
                       served_keys: list[str | None] | None,
-                      token_limits: list[int | None] | None) -> None:
+                      token_limits: list[int | None] | None,
+                      known_from: list[int] | None = None) -> None:
         self.req_ids = req_ids
         self.tree_rows = tree_rows
 
