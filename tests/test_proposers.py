@@ -552,7 +552,7 @@ def test_a_prompt_given_as_embeddings_is_neither_drafted_from_nor_stored(path):
     """vLLM's row under a prompt given as embeddings holds an earlier request's tokens (here
     another tenant's: 50..55). ``observe_batch``'s ``known_from`` says where the request's own
     ids begin: its drafts come from its own output only, however they are made, and its store
-    keeps its output only (before, "b" was drafted 51..53, and its store kept the leftovers)."""
+    keeps its output only (before, "b" was drafted [51, 52], and its store kept the leftovers)."""
     options = {"method": "hybrid", "num_speculative_tokens": 3, "served_store": "per_request",
                "served_prompts": True, "min_draft_len": 1,
                "precompute_drafts": path == "precomputed",
